@@ -1,0 +1,113 @@
+"""The data path (gateway -> worker): an SGLang-compatible `/generate` subset (DESIGN 4.2).
+
+Lumen workers decode these strictly (unknown fields are rejected). The gateway only ever sends
+token ids: it tokenizes itself because it must know the prompt ids to resume a request elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # SGLang's wire convention: -1 disables top-k
+    top_k: int = -1
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class HolderRef(msgspec.Struct, forbid_unknown_fields=True):
+    worker_id: str
+    kv_endpoint: str
+
+
+class LumenExt(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Lumen's extension, sent only to Lumen's own workers."""
+
+    v: int = GENERATE_PROTOCOL_VERSION
+    # the worker incarnation the gateway believes it talks to; a mismatch is refused (409)
+    epoch: int = 0
+    # token at absolute position p is sampled with an RNG seeded by (seed_base, p): replay-exact
+    seed_base: int = 0
+    checkpoint: list[HolderRef] = msgspec.field(default_factory=list)
+    attempt: int = 0
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = True
+    lumen: LumenExt | None = None
+
+
+FinishType = Literal["length", "stop", "abort"]
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """SGLang's finish reason object: `{"type": "length", "length": n}` or `{"type": "stop", "matched": id}`."""
+
+    type: FinishType
+    length: int | None = None
+    matched: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(msgspec.Struct, omit_defaults=True):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    # Lumen additions
+    restored_tokens: int = 0
+    worker_id: str | None = None
+    incarnation: int | None = None
+
+
+class GenerateChunk(msgspec.Struct, omit_defaults=True):
+    """One SSE `data:` payload. Lumen workers send only the new ids of each chunk."""
+
+    output_ids: list[int]
+    meta_info: MetaInfo
+    text: str = ""
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    code: int | str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
+    rid: str
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_chunk_encoder = msgspec.json.Encoder()
+_chunk_decoder = msgspec.json.Decoder(GenerateChunk)
+request_decoder = msgspec.json.Decoder(GenerateRequest)
+
+
+def encode_sse_chunk(chunk: GenerateChunk) -> bytes:
+    return b"data: " + _chunk_encoder.encode(chunk) + b"\n\n"
+
+
+def decode_chunk(payload: bytes) -> GenerateChunk:
+    return _chunk_decoder.decode(payload)
+
+
+def encode(obj: object) -> bytes:
+    return _chunk_encoder.encode(obj)

@@ -1,0 +1,47 @@
+"""What a worker process is started with: one versioned spec, passed as JSON on its command line.
+
+The supervisor builds it from the gateway config; a worker never parses the gateway's TOML.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    v: int = 1
+    worker_id: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks; the worker reports its URL in Hello
+    control_address: str  # host:port of the gateway's gRPC control plane ("" = run unattached)
+    control_token: str = ""
+    backend: str = "synthetic"
+    model: str = "Qwen3-32B"
+    gpu: str = "H100-80G"
+    tp: int = 0  # 0: the model preset's default
+    time_scale: float = 1.0  # modelled seconds x time_scale = wall seconds
+    page_size: int = 64
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 8192
+    kv_capacity_tokens: int = 0  # 0: from the cost model
+    # synthetic tokens are drawn from [token_lo, token_hi) (printable bytes for the byte tokenizer)
+    vocab_size: int = 259
+    token_lo: int = 32
+    token_hi: int = 127
+    model_seed: int = 0
+    # modelled full-model load time; None: from the cost model. Only a restart pays it.
+    model_load_s: float | None = None
+    restart: bool = False
+    heartbeat_interval_ms: int = 20
+    failure_domain: str = ""
+    ckpt_budget_bytes: int = 0
+    draft_model: str = ""
+    log_level: str = "info"
+
+
+def encode_spec(spec: EngineSpec) -> str:
+    return msgspec.json.encode(spec).decode()
+
+
+def decode_spec(text: str) -> EngineSpec:
+    return msgspec.json.decode(text, type=EngineSpec)

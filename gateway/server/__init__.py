@@ -1,0 +1,1 @@
+"""Imperative shell of the gateway: HTTP API, control plane, sessions, recovery, config, metrics."""

@@ -1,0 +1,59 @@
+"""The seam between the HTTP API and the request sessions.
+
+The API turns a client request into a `GenerateJob` (token ids + sampling), hands it to
+`SessionManager.generate`, and renders the `TokenDelta`s it gets back; it never sees workers,
+failures or replays. Everything behind `generate` (routing, streaming from a worker, failover) is
+the sessions' business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    # token ids that end generation (the tokenizer's EOS plus the request's own); ignored if ignore_eos
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # None: the gateway draws one; token at position p is sampled with RNG(seed, p) -> replay-exact
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateJob:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    sampling: Sampling
+    stream: bool = True
+    # free-form labels for logs and metrics (endpoint, api key id)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output ids, in order. The last delta of a generation carries `finish_reason`."""
+
+    ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    # the stop token id that ended generation, when finish_reason == "stop" by token
+    matched_stop: int | None = None
+    # cached/restored prompt tokens reported by the worker (for usage details)
+    cached_tokens: int = 0
+
+
+class Generator(Protocol):
+    def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
+        """Stream the job's output. Raises a GatewayError subclass on an unrecoverable failure.
+
+        Closing the iterator early (client gone, stop string matched) aborts the work on the worker.
+        """
+        ...
