@@ -1,19 +1,198 @@
-"""`lumen` command line."""
+"""`lumen`: the gateway, workers, a local cluster, fault injection, and the demo."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config (default: configs/default.toml)")
+    p.add_argument("--mode", choices=["none", "stop_restart", "fixed_checkpoint", "lumen"], help="recovery mode")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set recovery.theta=1.5 (value parsed as TOML)")
+
+
+def _load(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
+    import tomllib
+
+    from gateway.server.config import ConfigError, load_config
+
+    overrides: dict[str, Any] = dict(extra)
+    if getattr(args, "mode", None):
+        overrides["recovery.mode"] = args.mode
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"lumen: --set expects KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key] = raw
+    try:
+        return load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"lumen: invalid configuration: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def _run(coro: Any) -> None:
+    import uvloop
+
+    try:
+        uvloop.run(coro)
+    except KeyboardInterrupt:
+        pass
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.server.logs import configure_logging
+    from gateway.server.runner import run_gateway
+
+    extra: dict[str, Any] = {}
+    if args.port is not None:
+        extra["gateway.port"] = args.port
+    if args.control_port is not None:
+        extra["gateway.control_port"] = args.control_port
+    cfg = _load(args, extra)
+    configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
+    _run(run_gateway(cfg))
+    return 0
+
+
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gateway.server.logs import configure_logging
+    from gateway.server.runner import run_cluster
+
+    extra: dict[str, Any] = {"gateway.port": args.port, "gateway.control_port": 0}
+    if args.workers is not None:
+        extra["cluster.workers"] = args.workers
+    if args.backend:
+        extra["engine.backend"] = args.backend
+    if args.time_scale is not None:
+        extra["engine.time_scale"] = args.time_scale
+    cfg = _load(args, extra)
+    configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
+    _run(run_cluster(cfg, log_dir=Path(args.log_dir) if args.log_dir else None))
+    return 0
+
+
+def _admin(port: int, method: str, path: str) -> Any:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    key = os.environ.get("LUMEN_ADMIN_API_KEY")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"lumen: {method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        raise SystemExit(1) from exc
+    except urllib.error.URLError as exc:
+        print(f"lumen: cannot reach the gateway on port {port}: {exc.reason}", file=sys.stderr)
+        raise SystemExit(1) from exc
+
+
+def cmd_cluster_kill(args: argparse.Namespace) -> int:
+    print(json.dumps(_admin(args.port, "POST", f"/admin/workers/{args.worker_id}/kill?mode={args.kill_mode}")))
+    return 0
+
+
+def cmd_cluster_status(args: argparse.Namespace) -> int:
+    for w in _admin(args.port, "GET", "/admin/workers"):
+        print(f"{w['id']:>4} {w['state']:<11} inc={w['incarnation']} running={w['running']} "
+              f"waiting={w['waiting']} load={w['load']}")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from gateway.protocol.launch import EngineSpec, encode_spec
+
+    spec = EngineSpec(
+        worker_id=args.id,
+        control_address=args.control,
+        port=args.port,
+        model=args.model,
+        gpu=args.gpu,
+        time_scale=args.time_scale,
+        control_token=os.environ.get("LUMEN_CONTROL_TOKEN", ""),
+    )
+    os.execv(sys.executable, [sys.executable, "-m", "worker_hooks.engine", "--spec", encode_spec(spec)])
+    return 0  # not reached
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from loadtests.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lumen", description="Lumen: failure-transparent LLM serving gateway")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    p = sub.add_parser("gateway", help="run the gateway (workers attach to its control plane)")
+    _config_args(p)
+    p.add_argument("--port", type=int)
+    p.add_argument("--control-port", type=int)
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("worker", help="run one Lumen worker (synthetic backend) attached to a gateway")
+    p.add_argument("--id", required=True)
+    p.add_argument("--control", required=True, help="gateway control plane host:port")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--model", default="Qwen3-32B")
+    p.add_argument("--gpu", default="H100-80G")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.set_defaults(func=cmd_worker)
+
+    cl = sub.add_parser("cluster", help="a local cluster: gateway + N worker processes")
+    csub = cl.add_subparsers(dest="cluster_cmd", metavar="ACTION")
+    p = csub.add_parser("up", help="start and supervise; runs until SIGINT/SIGTERM")
+    _config_args(p)
+    p.add_argument("--workers", type=int)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=["synthetic", "torch"])
+    p.add_argument("--time-scale", type=float)
+    p.add_argument("--log-dir")
+    p.set_defaults(func=cmd_cluster_up)
+    p = csub.add_parser("kill", help="kill -9 (or hang) a worker of a running local cluster")
+    p.add_argument("worker_id")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", dest="kill_mode", choices=["kill", "hang", "resume", "term"], default="kill")
+    p.set_defaults(func=cmd_cluster_kill)
+    p = csub.add_parser("status", help="list the workers of a running local cluster")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_cluster_status)
+
+    p = sub.add_parser("demo", help="local cluster + load + a worker killed mid-load; shows the recovery")
+    _config_args(p)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--rate", type=float, default=12.0, help="requests per second (Poisson)")
+    p.add_argument("--kill-at", type=float, default=4.0, help="seconds into the load; < 0: no kill")
+    p.add_argument("--kill-mode", choices=["kill", "hang"], default="kill")
+    p.add_argument("--port", type=int, default=0, help="gateway port (0: pick a free one)")
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(func=cmd_demo)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lumen", description="Lumen gateway and tools")
-    parser.add_subparsers(dest="cmd")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.cmd:
+    func = getattr(args, "func", None)
+    if func is None:
         parser.print_help()
         return 2
-    return 0
+    return int(func(args) or 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,219 @@
+"""Assembly of the gateway process: HTTP API, gRPC control plane, monitor, sessions, admin."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from typing import Protocol
+
+import aiohttp
+import structlog
+from aiohttp import web
+from grpc import aio
+
+from gateway.core.health import WorkerState
+from gateway.core.load import estimated_load
+from gateway.core.types import LoadParams
+from gateway.server.auth import require_admin
+from gateway.server.config import Config
+from gateway.server.control import ControlService, start_control_server
+from gateway.server.errors import InvalidRequest, NotFound
+from gateway.server.metrics import GatewayMetrics
+from gateway.server.middleware import error_middleware
+from gateway.server.monitor import LoadMonitor, StateEvent
+from gateway.server.openai_api import add_client_routes
+from gateway.server.sessions import SessionManager
+from gateway.server.tokenizer import make_tokenizer
+
+log = structlog.get_logger("lumen.gateway")
+
+
+class FaultInjector(Protocol):
+    """Implemented by the local cluster supervisor: what `/admin/workers/{id}/kill` calls."""
+
+    def kill(self, worker_id: str, mode: str) -> Awaitable[dict[str, object]]: ...
+
+
+GATEWAY = web.AppKey("gateway", "Gateway")
+
+
+class Gateway:
+    def __init__(self, config: Config, *, fault_injector: FaultInjector | None = None) -> None:
+        self.config = config
+        self.fault_injector = fault_injector
+        self.metrics = GatewayMetrics()
+        self.monitor = LoadMonitor(
+            clock=time.monotonic,
+            heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
+            heartbeat_misses=config.health.heartbeat_misses,
+        )
+        self.monitor.on_state_change.append(self._on_state_change)
+        self.control = ControlService(
+            self.monitor,
+            token=config.gateway.control_token,
+            heartbeat_interval_ms=config.health.heartbeat_interval_ms,
+        )
+        self.load_params = LoadParams(
+            alpha=config.load.alpha, beta=config.load.beta, nominal_batch=config.engine.max_running_requests
+        )
+        self.tokenizer = make_tokenizer(config.tokenizer)
+        self.sessions: SessionManager | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._grpc: aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._detector: asyncio.Task[None] | None = None
+        self.http_port = 0
+        self.control_port = 0
+        self.started_at = time.monotonic()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        g = self.config.gateway
+        self._grpc, self.control_port = await start_control_server(self.control, g.control_host, g.control_port)
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.timeouts.worker_connect_s),
+        )
+        self.sessions = SessionManager(
+            monitor=self.monitor,
+            http=self._http,
+            recovery=self.config.recovery,
+            load_params=self.load_params,
+            metrics=self.metrics,
+        )
+        self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
+        app = self.build_app()
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.config.timeouts.shutdown_grace_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, g.host, g.port)
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1] if site._server else g.port  # type: ignore[union-attr]
+        log.info("gateway_started", http=f"http://{g.host}:{self.http_port}", control=f"{g.control_host}:{self.control_port}",
+                 mode=self.config.recovery.mode)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._detector is not None:
+            self._detector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._detector
+        if self._grpc is not None:
+            await self._grpc.stop(grace=0.5)
+        if self._http is not None:
+            await self._http.close()
+
+    def build_app(self) -> web.Application:
+        if self.sessions is None:
+            raise RuntimeError("Gateway.start() builds the app")
+        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.limits.max_request_bytes)
+        app[GATEWAY] = self
+        add_client_routes(app, config=self.config, tokenizer=self.tokenizer, generator=self.sessions)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/admin/workers", self.handle_workers)
+        app.router.add_post("/admin/workers/{id}/kill", self.handle_kill)
+        app.router.add_get("/admin/events", self.handle_events)
+        app.router.add_get("/admin/sessions", self.handle_sessions)
+        return app
+
+    # -- handlers -------------------------------------------------------------------------------
+    async def handle_health(self, request: web.Request) -> web.Response:
+        healthy = self.monitor.healthy_count()
+        body = {
+            "status": "ok" if healthy else "no_healthy_workers",
+            "healthy_workers": healthy,
+            "workers": len(self.monitor.workers),
+            "mode": self.config.recovery.mode,
+        }
+        return web.json_response(body, status=200 if healthy else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        for st in WorkerState:
+            self.metrics.workers.labels(state=st.value).set(
+                sum(1 for w in self.monitor.workers.values() if w.state is st)
+            )
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def handle_workers(self, request: web.Request) -> web.Response:
+        require_admin(request, self.config.gateway.admin_api_keys)
+        now = time.monotonic()
+        out = []
+        for w in sorted(self.monitor.workers.values(), key=lambda r: r.id):
+            out.append(
+                {
+                    "id": w.id,
+                    "state": w.state.value,
+                    "phase": w.phase.value,
+                    "incarnation": w.incarnation,
+                    "url": w.http_url,
+                    "pid": w.pid,
+                    "running": w.running,
+                    "waiting": w.waiting,
+                    "inflight": w.inflight,
+                    "kv_tokens_used": w.kv_tokens_used,
+                    "kv_capacity_tokens": w.kv_capacity_tokens,
+                    "completed_total": w.completed_total,
+                    "load": round(estimated_load(w.view(), self.load_params), 4),
+                    "last_heartbeat_ms_ago": round(1000 * (now - w.last_heartbeat), 1),
+                    "failure_domain": w.failure_domain,
+                }
+            )
+        return web.json_response(out)
+
+    async def handle_kill(self, request: web.Request) -> web.Response:
+        require_admin(request, self.config.gateway.admin_api_keys)
+        wid = request.match_info["id"]
+        mode = request.query.get("mode", "kill")
+        if self.fault_injector is None:
+            raise NotFound("fault injection is only available on a local cluster (`lumen cluster up`)")
+        if mode not in ("kill", "hang", "resume", "term"):
+            raise InvalidRequest(f"mode must be kill, hang, resume or term, not {mode!r}", param="mode")
+        result = await self.fault_injector.kill(wid, mode)
+        return web.json_response(result)
+
+    async def handle_events(self, request: web.Request) -> web.Response:
+        require_admin(request, self.config.gateway.admin_api_keys)
+        return web.json_response(
+            [
+                {
+                    "t": round(e.t - self.started_at, 4),
+                    "worker": e.worker_id,
+                    "incarnation": e.incarnation,
+                    "from": e.src.value if e.src else None,
+                    "to": e.dst.value,
+                    "reason": e.reason,
+                }
+                for e in self.monitor.events
+            ]
+        )
+
+    async def handle_sessions(self, request: web.Request) -> web.Response:
+        require_admin(request, self.config.gateway.admin_api_keys)
+        if self.sessions is None:
+            raise NotFound("gateway not started")
+        out = []
+        for s in self.sessions.recent_interrupted:
+            for it in s.interruptions:
+                out.append(
+                    {
+                        "rid": s.job.rid,
+                        "worker": it.worker_id,
+                        "reason": it.reason,
+                        "t": round(it.at - self.started_at, 4),
+                        "emitted_before": it.emitted_before,
+                        "resumed_on": it.resumed_on,
+                        "resume_delay_s": None if it.resume_delay is None else round(it.resume_delay, 4),
+                    }
+                )
+        return web.json_response({"live": len(self.sessions.live), "interrupted": out})
+
+    # -- events -------------------------------------------------------------------------------
+    def _on_state_change(self, ev: StateEvent) -> None:
+        if ev.dst is WorkerState.FAILED:
+            self.metrics.worker_failures.labels(reason=ev.reason.split(":")[0][:40]).inc()
+            rec = self.monitor.workers.get(ev.worker_id)
+            if rec is not None:
+                self.metrics.detection_seconds.observe(max(0.0, ev.t - rec.last_heartbeat))

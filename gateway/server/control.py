@@ -1,0 +1,122 @@
+"""The gRPC control plane (DESIGN 4.3): workers attach, say Hello, and heartbeat; the gateway fences.
+
+One bidirectional `Attach` stream per worker incarnation. The stream ending (worker crash, network
+break) fails the incarnation at once; the monitor ending it (failure detected by silence) tells a
+zombie that it is no longer trusted, so it resets and re-attaches as a new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+
+import grpc
+import structlog
+from grpc import aio
+
+from gateway.protocol import control_pb2 as pb
+from gateway.protocol import control_pb2_grpc as pb_grpc
+from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
+from gateway.server.monitor import AttachRefused, LoadMonitor, WorkerRecord
+
+log = structlog.get_logger("lumen.control")
+
+
+class ControlService(pb_grpc.ControlServicer):
+    def __init__(self, monitor: LoadMonitor, *, token: str, heartbeat_interval_ms: int) -> None:
+        self.monitor = monitor
+        self.token = token
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.outboxes: dict[str, asyncio.Queue[pb.GatewayMessage]] = {}
+
+    def send(self, worker_id: str, msg: pb.GatewayMessage) -> bool:
+        """Queue a command for a worker's current incarnation; False if it is not attached."""
+        rec = self.monitor.workers.get(worker_id)
+        box = self.outboxes.get(worker_id)
+        if rec is None or box is None:
+            return False
+        msg.incarnation = rec.incarnation
+        box.put_nowait(msg)
+        return True
+
+    async def Attach(self, request_iterator: object, context: aio.ServicerContext) -> None:  # noqa: N802
+        first = await context.read()
+        if first is aio.EOF or not first.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be Hello")
+            return
+        hello = first.hello
+        refusal = self._check_hello(hello)
+        if refusal is None:
+            try:
+                rec = self.monitor.attach(hello)
+            except AttachRefused as exc:
+                refusal = str(exc)
+        if refusal is not None:
+            log.warning("attach_refused", worker=hello.worker_id, incarnation=hello.incarnation, reason=refusal)
+            await context.write(pb.GatewayMessage(incarnation=hello.incarnation, refuse=pb.Refuse(reason=refusal)))
+            return
+        await context.write(
+            pb.GatewayMessage(
+                incarnation=rec.incarnation,
+                welcome=pb.Welcome(
+                    protocol_version=CONTROL_PROTOCOL_VERSION,
+                    gateway_id=self.gateway_id,
+                    heartbeat_interval_ms=self.heartbeat_interval_ms,
+                ),
+            )
+        )
+        outbox: asyncio.Queue[pb.GatewayMessage] = asyncio.Queue()
+        self.outboxes[rec.id] = outbox
+        reader = asyncio.create_task(self._read_loop(context, rec), name=f"control-read-{rec.id}")
+        writer = asyncio.create_task(self._write_loop(context, outbox), name=f"control-write-{rec.id}")
+        fenced = asyncio.create_task(rec.fence.wait(), name=f"control-fence-{rec.id}")
+        try:
+            done, _ = await asyncio.wait({reader, writer, fenced}, return_when=asyncio.FIRST_COMPLETED)
+            reason = "fenced by the gateway" if fenced in done else "control stream ended"
+            if reader in done and reader.exception() is not None:
+                reason = f"control stream broke: {reader.exception()!r}"
+        finally:
+            for t in (reader, writer, fenced):
+                t.cancel()
+            await asyncio.gather(reader, writer, fenced, return_exceptions=True)
+            if self.outboxes.get(rec.id) is outbox:
+                del self.outboxes[rec.id]
+            self.monitor.detach(rec, "control stream ended")
+        log.info("detached", worker=rec.id, incarnation=rec.incarnation, reason=reason)
+
+    def _check_hello(self, hello: pb.Hello) -> str | None:
+        if hello.protocol_version != CONTROL_PROTOCOL_VERSION:
+            return f"protocol version {hello.protocol_version} not supported (gateway speaks {CONTROL_PROTOCOL_VERSION})"
+        if self.token and not hmac.compare_digest(hello.auth_token.encode(), self.token.encode()):
+            return "bad control token"
+        if not hello.worker_id or not hello.http_url:
+            return "Hello needs worker_id and http_url"
+        return None
+
+    async def _read_loop(self, context: aio.ServicerContext, rec: WorkerRecord) -> None:
+        while True:
+            msg = await context.read()
+            if msg is aio.EOF:
+                return
+            if msg.HasField("heartbeat"):
+                self.monitor.heartbeat(rec, msg.heartbeat)
+            else:
+                log.warning("unexpected_worker_message", worker=rec.id, kind=msg.WhichOneof("body"))
+
+    async def _write_loop(self, context: aio.ServicerContext, outbox: asyncio.Queue[pb.GatewayMessage]) -> None:
+        while True:
+            msg = await outbox.get()
+            await context.write(msg)
+
+
+async def start_control_server(service: ControlService, host: str, port: int) -> tuple[aio.Server, int]:
+    """Start the gRPC server; returns it and the bound port (port 0 lets the OS choose)."""
+    server = aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ControlServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the control plane on {host}:{port}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,276 @@
+"""The load monitor: the gateway's live view of every worker, fed by the control plane.
+
+It owns worker state (through the core transition table), failure detection by silence, fencing of
+old incarnations, and failure notifications to the sessions streaming from a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from gateway.core import health
+from gateway.core.health import Phase, WorkerState
+from gateway.core.types import ClusterView, WorkerView
+from gateway.protocol import control_pb2 as pb
+
+log = structlog.get_logger("lumen.monitor")
+
+Clock = Callable[[], float]
+FailureCallback = Callable[[str], None]
+
+_PHASES = {
+    pb.LOADING_DRAFT: Phase.LOADING_DRAFT,
+    pb.DRAFT_READY: Phase.DRAFT_READY,
+    pb.LOADING_FULL: Phase.LOADING_FULL,
+    pb.SERVING: Phase.SERVING,
+    pb.DRAINING: Phase.DRAINING,
+}
+
+
+def phase_of(value: int) -> Phase:
+    return _PHASES.get(value, Phase.LOADING_FULL)
+
+
+@dataclass(frozen=True, slots=True)
+class StateEvent:
+    t: float
+    worker_id: str
+    incarnation: int
+    src: WorkerState | None
+    dst: WorkerState
+    reason: str
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    """Mutable per-worker record; only the monitor changes it."""
+
+    id: str
+    incarnation: int
+    state: WorkerState
+    http_url: str
+    model: str = ""
+    pid: int = 0
+    kv_capacity_tokens: int = 1
+    ckpt_budget_bytes: int = 0
+    failure_domain: str = ""
+    page_size: int = 64
+    max_running_requests: int = 64
+    phase: Phase = Phase.SERVING
+    last_heartbeat: float = 0.0
+    heartbeats: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    ckpt_bytes: int = 0
+    ckpt_tokens: int = 0
+    completed_total: int = 0
+    # requests this gateway has in flight on the worker
+    inflight: int = 0
+    attached_at: float = 0.0
+    failed_at: float | None = None
+    # called once when this incarnation fails; keyed by a subscription id
+    watchers: dict[int, FailureCallback] = field(default_factory=dict)
+    # set by the monitor to end the control stream of this incarnation
+    fence: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def view(self) -> WorkerView:
+        reported = self.running + self.waiting
+        return WorkerView(
+            id=self.id,
+            state=self.state,
+            incarnation=self.incarnation,
+            running=self.running,
+            waiting=self.waiting,
+            kv_tokens_used=self.kv_tokens_used,
+            kv_capacity_tokens=max(1, self.kv_capacity_tokens),
+            ckpt_tokens=self.ckpt_tokens,
+            ckpt_bytes=self.ckpt_bytes,
+            ckpt_budget_bytes=self.ckpt_budget_bytes,
+            failure_domain=self.failure_domain,
+            # routed here but not yet visible in the worker's own report
+            pending=max(0, self.inflight - reported),
+        )
+
+
+class AttachRefused(Exception):
+    pass
+
+
+class LoadMonitor:
+    def __init__(self, *, clock: Clock, heartbeat_interval_s: float, heartbeat_misses: int) -> None:
+        self.clock = clock
+        self.interval_s = heartbeat_interval_s
+        self.misses = heartbeat_misses
+        self.workers: dict[str, WorkerRecord] = {}
+        self.events: deque[StateEvent] = deque(maxlen=10_000)
+        self._sub_ids = itertools.count(1)
+        self._became_healthy = asyncio.Event()
+        self._last_tick: float | None = None
+        self.on_state_change: list[Callable[[StateEvent], None]] = []
+
+    # -- attach / heartbeat / detach ------------------------------------------------------------
+    def attach(self, hello: pb.Hello) -> WorkerRecord:
+        """Register a worker incarnation. A stale or duplicate incarnation is refused (fencing)."""
+        now = self.clock()
+        old = self.workers.get(hello.worker_id)
+        if old is not None:
+            if hello.incarnation <= old.incarnation:
+                raise AttachRefused(
+                    f"incarnation {hello.incarnation} is not newer than {old.incarnation} "
+                    f"for worker {hello.worker_id}"
+                )
+            if old.state in health.ALIVE_STATES:
+                # the old incarnation is gone even if we had not noticed: fence it first
+                self._fail(old, "replaced by a new incarnation")
+        phase = phase_of(hello.phase)
+        if old is None:
+            state = WorkerState.JOINING
+        elif old.state is WorkerState.REMOVED:
+            raise AttachRefused(f"worker {hello.worker_id} was removed")
+        else:
+            state = WorkerState.RESTARTING
+        rec = WorkerRecord(
+            id=hello.worker_id,
+            incarnation=hello.incarnation,
+            state=state,
+            http_url=hello.http_url,
+            model=hello.model,
+            pid=hello.pid,
+            kv_capacity_tokens=max(1, hello.kv_capacity_tokens),
+            ckpt_budget_bytes=hello.ckpt_budget_bytes,
+            failure_domain=hello.failure_domain,
+            page_size=hello.page_size or 64,
+            max_running_requests=hello.max_running_requests or 64,
+            phase=phase,
+            last_heartbeat=now,
+            attached_at=now,
+        )
+        self.workers[rec.id] = rec
+        self._record(rec, old.state if old else None, state, "attached")
+        self._apply_phase(rec, phase)
+        return rec
+
+    def heartbeat(self, rec: WorkerRecord, hb: pb.Heartbeat) -> None:
+        if self.workers.get(rec.id) is not rec or rec.state not in health.ALIVE_STATES:
+            return  # a fenced incarnation: ignore
+        rec.last_heartbeat = self.clock()
+        rec.heartbeats += 1
+        rec.running = hb.running
+        rec.waiting = hb.waiting
+        rec.kv_tokens_used = hb.kv_tokens_used
+        rec.ckpt_bytes = hb.ckpt_bytes_used
+        rec.ckpt_tokens = hb.ckpt_tokens_held
+        rec.completed_total = hb.completed_total
+        rec.phase = phase_of(hb.phase)
+        if rec.state is WorkerState.SUSPECT:
+            self._set(rec, WorkerState.HEALTHY, "heartbeat resumed")
+        self._apply_phase(rec, rec.phase)
+
+    def detach(self, rec: WorkerRecord, reason: str) -> None:
+        """The control stream of `rec` ended: the incarnation is failed at once."""
+        if self.workers.get(rec.id) is rec and rec.state in health.ALIVE_STATES:
+            self._fail(rec, reason)
+
+    def report_data_failure(self, worker_id: str, incarnation: int, reason: str) -> None:
+        """A session's data connection to the worker broke: fail that incarnation at once."""
+        rec = self.workers.get(worker_id)
+        if rec is not None and rec.incarnation == incarnation and rec.state in health.ALIVE_STATES:
+            self._fail(rec, f"data connection: {reason}")
+
+    def remove(self, worker_id: str) -> None:
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            return
+        if rec.state in health.ALIVE_STATES:
+            self._fail(rec, "removed")
+        self._set(rec, WorkerState.REMOVED, "removed")
+
+    # -- failure detection by silence -----------------------------------------------------------
+    def tick(self) -> None:
+        now = self.clock()
+        if self._last_tick is not None and now - self._last_tick > 2 * self.interval_s:
+            # the gateway itself stalled (GC, CPU starvation): silence we measured is ours, not theirs
+            for rec in self.workers.values():
+                rec.last_heartbeat = max(rec.last_heartbeat, now - self.interval_s)
+        self._last_tick = now
+        for rec in list(self.workers.values()):
+            if rec.state not in health.ALIVE_STATES:
+                continue
+            dst = health.missed_heartbeat_state(rec.state, now - rec.last_heartbeat, self.interval_s, self.misses)
+            if dst is WorkerState.FAILED:
+                self._fail(rec, f"no heartbeat for {1000 * (now - rec.last_heartbeat):.0f} ms")
+            elif dst is not rec.state:
+                self._set(rec, dst, f"heartbeat late by {1000 * (now - rec.last_heartbeat):.0f} ms")
+
+    async def run_detector(self) -> None:
+        period = self.interval_s / 2
+        while True:
+            self.tick()
+            await asyncio.sleep(period)
+
+    # -- views and subscriptions ----------------------------------------------------------------
+    def view(self) -> ClusterView:
+        return ClusterView({w.id: w.view() for w in self.workers.values()})
+
+    def healthy_count(self) -> int:
+        return sum(1 for w in self.workers.values() if w.state is WorkerState.HEALTHY)
+
+    def watch(self, worker_id: str, incarnation: int, callback: FailureCallback) -> int | None:
+        """Call `callback(reason)` when this incarnation fails. None if it is already gone."""
+        rec = self.workers.get(worker_id)
+        if rec is None or rec.incarnation != incarnation or rec.state not in health.ALIVE_STATES:
+            return None
+        sub = next(self._sub_ids)
+        rec.watchers[sub] = callback
+        return sub
+
+    def unwatch(self, worker_id: str, sub: int) -> None:
+        rec = self.workers.get(worker_id)
+        if rec is not None:
+            rec.watchers.pop(sub, None)
+
+    async def wait_for_healthy(self, timeout_s: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.healthy_count() == 0:
+                    self._became_healthy.clear()
+                    await self._became_healthy.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    # -- internals -------------------------------------------------------------------------------
+    def _apply_phase(self, rec: WorkerRecord, phase: Phase) -> None:
+        dst = health.state_for_phase(rec.state, phase)
+        if dst is not rec.state:
+            self._set(rec, dst, f"phase {phase.value}")
+
+    def _fail(self, rec: WorkerRecord, reason: str) -> None:
+        rec.failed_at = self.clock()
+        self._set(rec, WorkerState.FAILED, reason)
+        rec.fence.set()
+        watchers, rec.watchers = rec.watchers, {}
+        for cb in watchers.values():
+            cb(reason)
+
+    def _set(self, rec: WorkerRecord, dst: WorkerState, reason: str) -> None:
+        src = rec.state
+        rec.state = health.transition(src, dst)
+        self._record(rec, src, dst, reason)
+
+    def _record(self, rec: WorkerRecord, src: WorkerState | None, dst: WorkerState, reason: str) -> None:
+        ev = StateEvent(self.clock(), rec.id, rec.incarnation, src, dst, reason)
+        self.events.append(ev)
+        log.info("worker_state", worker=rec.id, incarnation=rec.incarnation, src=src and src.value,
+                 dst=dst.value, reason=reason)
+        for cb in self.on_state_change:
+            cb(ev)
+        if dst is WorkerState.HEALTHY:
+            self._became_healthy.set()

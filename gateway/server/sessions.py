@@ -1,0 +1,255 @@
+"""Request sessions: one client request, spliced from one or more worker streams into one stream.
+
+A session keeps what it needs to resume anywhere: the prompt ids, every output id already sent to
+the client, the sampling parameters with the seed base, and the serving worker and incarnation. When
+that worker fails (detected by the monitor, a broken connection, or a stall), the session resumes on
+a survivor with `input_ids = prompt + emitted`; the client sees one stream with no token duplicated,
+missing or reordered. With seeded sampling the worker samples position p with RNG(seed_base, p), so
+the continuation is the one the failed worker would have produced.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import structlog
+
+from gateway.core.router import choose_worker
+from gateway.core.types import LoadParams
+from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams
+from gateway.server.config import RecoverySection
+from gateway.server.errors import NoWorkerAvailable, UpstreamFailed, UpstreamRejected
+from gateway.server.jobs import GenerateJob, TokenDelta
+from gateway.server.metrics import GatewayMetrics
+from gateway.server.monitor import LoadMonitor, WorkerRecord
+from gateway.server.worker_client import WorkerLost, WorkerRefused, WorkerStream
+
+log = structlog.get_logger("lumen.sessions")
+
+
+@dataclass(slots=True)
+class Interruption:
+    worker_id: str
+    incarnation: int
+    reason: str
+    at: float
+    emitted_before: int
+    # the last token the client got before the failure (or the arrival, if none yet)
+    last_token_before: float
+    resumed_on: str | None = None
+    resumed_at: float | None = None  # first token after the failure
+
+    @property
+    def resume_delay(self) -> float | None:
+        return None if self.resumed_at is None else self.resumed_at - self.last_token_before
+
+
+@dataclass(slots=True)
+class Session:
+    job: GenerateJob
+    seed_base: int
+    arrived: float
+    emitted: list[int] = field(default_factory=list)
+    worker_id: str | None = None
+    incarnation: int = 0
+    attempts: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    interruptions: list[Interruption] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.job.sampling.max_new_tokens - len(self.emitted)
+
+    def finished_by_tokens(self) -> str | None:
+        """Whether the emitted tokens already complete the request (a failure after the last token)."""
+        s = self.job.sampling
+        if self.emitted and not s.ignore_eos and self.emitted[-1] in s.stop_token_ids:
+            return "stop"
+        if self.remaining <= 0:
+            return "length"
+        return None
+
+
+class SessionManager:
+    """Implements `jobs.Generator` for the HTTP API."""
+
+    def __init__(
+        self,
+        *,
+        monitor: LoadMonitor,
+        http: aiohttp.ClientSession,
+        recovery: RecoverySection,
+        load_params: LoadParams,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.monitor = monitor
+        self.http = http
+        self.recovery = recovery
+        self.load_params = load_params
+        self.metrics = metrics
+        self.clock = clock
+        self.live: dict[str, Session] = {}
+        # recently finished sessions with interruptions, for /admin/sessions and the demo
+        self.recent_interrupted: deque[Session] = deque(maxlen=2000)
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
+        seed = job.sampling.seed if job.sampling.seed is not None else secrets.randbits(63)
+        session = Session(job=job, seed_base=seed, arrived=self.clock())
+        self.live[job.rid] = session
+        self.metrics.inflight.inc()
+        try:
+            async for delta in self._run(session):
+                yield delta
+        finally:
+            self.metrics.inflight.dec()
+            del self.live[job.rid]
+            if session.interruptions:
+                self.recent_interrupted.append(session)
+
+    # -- the failover loop ----------------------------------------------------------------------
+    async def _run(self, s: Session) -> AsyncIterator[TokenDelta]:
+        rec_cfg = self.recovery
+        excluded: set[str] = set()
+        while True:
+            done = s.finished_by_tokens() if s.attempts > 0 else None
+            if done is not None:
+                s.finish_reason = done
+                yield TokenDelta((), finish_reason=done)  # type: ignore[arg-type]
+                return
+            worker = await self._pick(s, excluded)
+            s.attempts += 1
+            s.worker_id, s.incarnation = worker.id, worker.incarnation
+            try:
+                async for delta in self._attempt(s, worker):
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                raise WorkerLost("stream ended without a finish reason")
+            except WorkerRefused as exc:
+                if not exc.retryable:
+                    raise UpstreamRejected(f"worker {worker.id} rejected the request: {exc.body[:200]}") from exc
+                # stale view (409) or still loading (503): another worker, not a failure of this one
+                excluded.add(worker.id)
+                lost_reason = str(exc)
+            except WorkerLost as exc:
+                lost_reason = exc.reason
+                if exc.connection_broke:
+                    self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
+                elif exc.reason.startswith("stall"):
+                    self.metrics.stalls.inc()
+                    excluded.add(worker.id)
+            self._note_interruption(s, worker, lost_reason)
+            if rec_cfg.mode == "none":
+                raise UpstreamFailed(f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'")
+            if s.attempts >= rec_cfg.max_attempts:
+                raise UpstreamFailed(f"gave up after {s.attempts} worker attempts; last: {lost_reason}")
+
+    async def _pick(self, s: Session, excluded: set[str]) -> WorkerRecord:
+        """The worker for the next attempt: the router for the first, recovery dispatch afterwards."""
+        deadline = self.clock() + self.recovery.no_worker_wait_s
+        while True:
+            wid = choose_worker(self.monitor.view(), self.load_params, exclude=excluded)
+            if wid is None and excluded:
+                # everything else is down: an excluded (stalled/refusing) worker beats no worker
+                excluded.clear()
+                wid = choose_worker(self.monitor.view(), self.load_params)
+            if wid is not None:
+                return self.monitor.workers[wid]
+            left = deadline - self.clock()
+            if left <= 0 or not await self.monitor.wait_for_healthy(left):
+                raise NoWorkerAvailable(
+                    f"no healthy worker within {self.recovery.no_worker_wait_s:g} s "
+                    f"({len(s.emitted)} tokens were generated before)"
+                )
+
+    async def _attempt(self, s: Session, worker: WorkerRecord) -> AsyncIterator[TokenDelta]:
+        sp = s.job.sampling
+        req = GenerateRequest(
+            rid=f"{s.job.rid}-{s.attempts}",
+            input_ids=[*s.job.prompt_ids, *s.emitted],
+            sampling_params=SamplingParams(
+                max_new_tokens=s.remaining,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k if sp.top_k is not None else -1,
+                stop_token_ids=list(sp.stop_token_ids),
+                ignore_eos=sp.ignore_eos,
+            ),
+            stream=True,
+            lumen=LumenExt(epoch=worker.incarnation, seed_base=s.seed_base, attempt=s.attempts),
+        )
+        stream = WorkerStream(
+            self.http,
+            worker.http_url,
+            req,
+            first_chunk_timeout_s=self.recovery.first_token_timeout_s,
+            stall_timeout_s=self.recovery.stall_timeout_s,
+        )
+        sub = self.monitor.watch(worker.id, worker.incarnation, stream.interrupt)
+        if sub is None:
+            raise WorkerLost(f"worker {worker.id} incarnation {worker.incarnation} is gone")
+        worker.inflight += 1
+        try:
+            async with stream:
+                while (chunk := await stream.next_chunk()) is not None:
+                    ids = chunk.output_ids
+                    fin = chunk.meta_info.finish_reason
+                    if not ids and fin is None:
+                        continue
+                    if ids:
+                        self._on_tokens(s, worker, len(ids))
+                        s.emitted.extend(ids)
+                    finish = None if fin is None else ("abort" if fin.type == "abort" else fin.type)
+                    if finish == "abort":
+                        raise WorkerLost(f"worker aborted the request: {fin.message if fin else ''}")
+                    s.finish_reason = finish
+                    yield TokenDelta(
+                        tuple(ids),
+                        finish_reason=finish,  # type: ignore[arg-type]
+                        matched_stop=fin.matched if fin is not None else None,
+                        cached_tokens=chunk.meta_info.cached_tokens,
+                    )
+                    if finish is not None:
+                        return
+        finally:
+            worker.inflight -= 1
+            self.monitor.unwatch(worker.id, sub)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int) -> None:
+        now = self.clock()
+        if s.first_token_at is None:
+            s.first_token_at = now
+            self.metrics.ttft.observe(now - s.arrived)
+        if s.interruptions and s.interruptions[-1].resumed_at is None:
+            it = s.interruptions[-1]
+            it.resumed_at = now
+            it.resumed_on = worker.id
+            self.metrics.resume_delay.observe(it.resume_delay or 0.0)
+            self.metrics.resumes.labels(kind="replay").inc()
+        s.last_token_at = now
+        self.metrics.output_tokens.inc(n)
+
+    def _note_interruption(self, s: Session, worker: WorkerRecord, reason: str) -> None:
+        now = self.clock()
+        s.interruptions.append(
+            Interruption(worker.id, worker.incarnation, reason, now, len(s.emitted), s.last_token_at or s.arrived)
+        )
+        self.metrics.interrupted.labels(mode=self.recovery.mode).inc()
+        log.info(
+            "request_interrupted",
+            rid=s.job.rid,
+            worker=worker.id,
+            incarnation=worker.incarnation,
+            emitted=len(s.emitted),
+            attempt=s.attempts,
+            reason=reason,
+        )

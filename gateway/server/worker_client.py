@@ -1,0 +1,140 @@
+"""The gateway's data-path client: one `/generate` SSE stream from one worker incarnation.
+
+A stream can be interrupted from outside (its worker was declared failed) or time out (stall); both
+surface as `WorkerLost` from `next_chunk`, so the session's failover logic has one case to handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+import aiohttp
+import msgspec
+
+from gateway.protocol.generate import GenerateChunk, GenerateRequest, decode_chunk, encode
+
+
+class WorkerLost(Exception):
+    """The stream from a worker ended without finishing: the request must resume elsewhere."""
+
+    def __init__(self, reason: str, *, connection_broke: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        # the TCP connection itself failed (as opposed to a stall or a fencing decision)
+        self.connection_broke = connection_broke
+
+
+class WorkerRefused(Exception):
+    """The worker answered with an error status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"worker answered {status}: {body[:200]}")
+        self.status = status
+        self.body = body
+
+    @property
+    def retryable(self) -> bool:
+        # 409: stale incarnation (our view lags); 503: still loading; 5xx: worker trouble
+        return self.status == 409 or self.status >= 500
+
+
+class WorkerStream:
+    """`async with WorkerStream(...) as s: while (chunk := await s.next_chunk()) is not None: ...`"""
+
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        request: GenerateRequest,
+        *,
+        first_chunk_timeout_s: float,
+        stall_timeout_s: float,
+    ) -> None:
+        self._http = http
+        self._url = url.rstrip("/") + "/generate"
+        self._request = request
+        self._first_timeout = first_chunk_timeout_s
+        self._stall_timeout = stall_timeout_s
+        self._resp: aiohttp.ClientResponse | None = None
+        self._timeout: asyncio.Timeout | None = None
+        self._interrupted: str | None = None
+        self._chunks = 0
+
+    def interrupt(self, reason: str) -> None:
+        """Stop waiting on this stream now (its worker incarnation failed). Safe to call any time."""
+        if self._interrupted is None:
+            self._interrupted = reason
+        if self._timeout is not None:
+            try:
+                self._timeout.reschedule(asyncio.get_running_loop().time())
+            except RuntimeError:
+                pass  # not inside a wait right now: the next wait checks `_interrupted` first
+
+    async def __aenter__(self) -> WorkerStream:
+        self._check_interrupted()
+        try:
+            async with self._deadline(self._first_timeout) as _:
+                resp = await self._http.post(
+                    self._url, data=encode(self._request), headers={"Content-Type": "application/json"}
+                )
+        except TimeoutError as exc:
+            raise self._lost_after_timeout("no response headers") from exc
+        except aiohttp.ClientError as exc:
+            raise WorkerLost(f"connect/post failed: {exc!r}", connection_broke=True) from exc
+        if resp.status != 200:
+            body = await resp.text()
+            resp.release()
+            raise WorkerRefused(resp.status, body)
+        self._resp = resp
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._resp is not None:
+            # closing (not releasing) drops the connection, which makes the worker abort the request
+            self._resp.close()
+            self._resp = None
+
+    async def next_chunk(self) -> GenerateChunk | None:
+        """The next chunk, or None after `[DONE]`. Raises WorkerLost on any break, stall or fencing."""
+        if self._resp is None:
+            raise RuntimeError("WorkerStream.next_chunk outside `async with`")
+        self._check_interrupted()
+        timeout = self._first_timeout if self._chunks == 0 else self._stall_timeout
+        content = self._resp.content
+        try:
+            async with self._deadline(timeout):
+                while True:
+                    line = await content.readline()
+                    if not line:
+                        raise WorkerLost("stream ended without [DONE]", connection_broke=True)
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return None
+                    self._chunks += 1
+                    return decode_chunk(payload)
+        except TimeoutError as exc:
+            raise self._lost_after_timeout(f"no chunk for {timeout:.3g} s") from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise WorkerLost(f"stream broke: {exc!r}", connection_broke=True) from exc
+        except msgspec.DecodeError as exc:
+            raise WorkerLost(f"malformed chunk from worker: {exc}") from exc
+
+    # -- internals ------------------------------------------------------------------------------
+    def _deadline(self, seconds: float) -> asyncio.Timeout:
+        t = asyncio.timeout(seconds)
+        self._timeout = t
+        return t
+
+    def _check_interrupted(self) -> None:
+        if self._interrupted is not None:
+            raise WorkerLost(self._interrupted)
+
+    def _lost_after_timeout(self, what: str) -> WorkerLost:
+        if self._interrupted is not None:
+            return WorkerLost(self._interrupted)
+        return WorkerLost(f"stall: {what}")

@@ -1,0 +1,63 @@
+"""Config: the default file equals the schema defaults; bad values name the key, value and reason."""
+
+from pathlib import Path
+
+import pytest
+
+from gateway.server.config import Config, ConfigError, load_config
+
+
+def test_default_file_matches_schema_defaults() -> None:
+    assert load_config() == Config()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("recovery.theta", -1, "must be > 0"),
+        ("recovery.mode", "magic", "must be one of"),
+        ("recovery.tau", "512", "must be an integer"),
+        ("health.heartbeat_interval_ms", 0, "must be in 1..10000"),
+        ("checkpoint.replicas", 3, "must be 1 or 2"),
+        ("checkpoint.eviction", "fifo", "must be one of"),
+        ("engine.page_size", 48, "power of two"),
+        ("gateway.port", 70000, "TCP port"),
+        ("model.preset", "GPT-9", "unknown preset"),
+        ("limits.default_max_tokens", 100000, "must be in 1..limits.max_new_tokens"),
+        ("draft.k_initial", 99, "k_min..k_max"),
+        ("engine.time_scale", True, "must be a number"),
+        ("recovery.bogus", 1, "unknown key"),
+    ],
+)
+def test_invalid_values_name_key_value_and_reason(key: str, value: object, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={key: value})
+    msg = str(info.value)
+    assert f"'{key}'" in msg and why in msg and repr(value).strip("'") in msg
+
+
+def test_unknown_section_and_bad_toml(tmp_path: Path) -> None:
+    bad = tmp_path / "c.toml"
+    bad.write_text("[nonsense]\nx = 1\n")
+    with pytest.raises(ConfigError, match="'nonsense'"):
+        load_config(bad)
+    bad.write_text("[recovery\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_draft_pairs_are_validated(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[[draft.pairs]]\ntarget = "Qwen3-32B"\ndraft = "Nope-1B"\n')
+    with pytest.raises(ConfigError, match=r"draft.pairs\[0\].draft"):
+        load_config(f)
+
+
+def test_env_supplies_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LUMEN_API_KEYS", "key-aaaaaaaa, key-bbbbbbbb")
+    monkeypatch.setenv("LUMEN_CONTROL_TOKEN", "s3cret")
+    cfg = load_config()
+    assert cfg.gateway.api_keys == ("key-aaaaaaaa", "key-bbbbbbbb")
+    assert cfg.gateway.control_token == "s3cret"
