@@ -18,22 +18,29 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set recovery.theta=1.5 (value parsed as TOML)")
 
 
-def _load(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items to overrides; VALUE is read as TOML (a bare word is a string)."""
     import tomllib
 
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"lumen: --set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw
+    return out
+
+
+def _load(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
     from gateway.server.config import ConfigError, load_config
 
     overrides: dict[str, Any] = dict(extra)
     if getattr(args, "mode", None):
         overrides["recovery.mode"] = args.mode
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"lumen: --set expects KEY=VALUE, got {item!r}")
-        try:
-            overrides[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            overrides[key] = raw
+    overrides.update(parse_set(args.set))
     try:
         return load_config(args.config, overrides)
     except ConfigError as exc:

@@ -172,6 +172,8 @@ class Gateway:
         if mode not in ("kill", "hang", "resume", "term"):
             raise InvalidRequest(f"mode must be kill, hang, resume or term, not {mode!r}", param="mode")
         result = await self.fault_injector.kill(wid, mode)
+        # on the same clock as /admin/events, so detection latency can be read off
+        result["at"] = round(time.monotonic() - self.started_at, 4)
         return web.json_response(result)
 
     async def handle_events(self, request: web.Request) -> web.Response:

@@ -1,0 +1,193 @@
+"""`lumen demo`: a local cluster of synthetic workers, a streaming load, a worker killed mid-load.
+
+Shows live progress, the failure being detected, the interrupted requests resuming on survivors, the
+killed worker restarting and rejoining, and a final summary with the client-visible error count and
+an exactness check of every output against the synthetic model's deterministic expectation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+
+from loadtests.client import RequestResult, stream_completion
+from loadtests.cluster_proc import ClusterProcess
+from worker_hooks.engine.synthetic import expected_output
+
+# the demo's modelled GPU time runs at half speed of real, and a restart loads for 10 modelled seconds
+DEMO_OVERRIDES = {"engine.time_scale": 0.5, "engine.model_load_s": 10.0, "gateway.log_level": "warning"}
+
+
+@dataclass(slots=True)
+class Workload:
+    results: list[RequestResult]
+    gaps: list[float]
+
+
+def make_workload(n: int, rate: float, seed: int) -> Workload:
+    """Conv-like shapes, scaled down so a laptop-size demo finishes in seconds."""
+    rnd = random.Random(seed)
+    results, gaps = [], []
+    for i in range(n):
+        plen = int(min(1500, max(8, rnd.lognormvariate(5.0, 0.8))))
+        olen = int(min(200, max(8, rnd.lognormvariate(3.9, 0.6))))
+        greedy = i % 2 == 0
+        results.append(
+            RequestResult(
+                idx=i,
+                arrival=0.0,
+                prompt_ids=[rnd.randrange(32, 127) for _ in range(plen)],
+                max_tokens=olen,
+                temperature=0.0 if greedy else 0.8,
+                seed=None if greedy else rnd.randrange(1, 2**31),
+            )
+        )
+        gaps.append(rnd.expovariate(rate))
+    return Workload(results, gaps)
+
+
+def expected_text(r: RequestResult) -> str:
+    ids, _ = expected_output(
+        r.prompt_ids,
+        _sampling(r),
+        r.seed or 0,
+        model_seed=0,
+        token_lo=32,
+        token_hi=127,
+    )
+    return bytes(ids).decode()
+
+
+def _sampling(r: RequestResult):  # type: ignore[no-untyped-def]
+    from gateway.protocol.generate import SamplingParams
+
+    return SamplingParams(max_new_tokens=r.max_tokens, temperature=r.temperature, stop_token_ids=[257], ignore_eos=True)
+
+
+async def _drive(url: str, wl: Workload, kill_at: float, kill_mode: str, out: dict) -> None:  # type: ignore[type-arg]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        model = (await (await http.get(f"{url}/v1/models")).json())["data"][0]["id"]
+        t0 = time.monotonic()
+        tasks: list[asyncio.Task[RequestResult]] = []
+        progress = asyncio.create_task(_progress(http, url, wl, t0, out))
+        killer = asyncio.create_task(_kill_busiest(http, url, t0, kill_at, kill_mode, out)) if kill_at >= 0 else None
+        for r, gap in zip(wl.results, wl.gaps, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(stream_completion(http, url, model, r)))
+        await asyncio.gather(*tasks)
+        if killer is not None:
+            await killer
+        out["load_s"] = time.monotonic() - t0
+        # wait (bounded) for the killed worker to come back
+        if out.get("killed"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                ws = await (await http.get(f"{url}/admin/workers")).json()
+                if all(w["state"] == "HEALTHY" for w in ws):
+                    break
+                await asyncio.sleep(0.2)
+        progress.cancel()
+        await asyncio.gather(progress, return_exceptions=True)
+        out["events"] = await (await http.get(f"{url}/admin/events")).json()
+        out["sessions"] = await (await http.get(f"{url}/admin/sessions")).json()
+        out["workers"] = await (await http.get(f"{url}/admin/workers")).json()
+
+
+async def _kill_busiest(http: aiohttp.ClientSession, url: str, t0: float, at: float, mode: str, out: dict) -> None:  # type: ignore[type-arg]
+    await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+    ws = await (await http.get(f"{url}/admin/workers")).json()
+    busiest = max((w for w in ws if w["state"] == "HEALTHY"), key=lambda w: (w["running"] + w["waiting"], w["id"]))
+    res = await (await http.post(f"{url}/admin/workers/{busiest['id']}/kill?mode={mode}")).json()
+    out["killed"] = {**res, "running": busiest["running"], "waiting": busiest["waiting"]}
+    _say(f"\n  !! {'kill -9' if mode == 'kill' else 'SIGSTOP'} {busiest['id']} (pid {res['pid']}) with "
+         f"{busiest['running']} running / {busiest['waiting']} waiting requests\n")
+
+
+async def _progress(http: aiohttp.ClientSession, url: str, wl: Workload, t0: float, out: dict) -> None:  # type: ignore[type-arg]
+    tty = sys.stdout.isatty()
+    seen_events = 0
+    while True:
+        await asyncio.sleep(0.5)
+        try:
+            ws = await (await http.get(f"{url}/admin/workers")).json()
+            events = await (await http.get(f"{url}/admin/events")).json()
+        except aiohttp.ClientError:
+            continue
+        for ev in events[seen_events:]:
+            if ev["from"] is not None and ev["to"] in ("FAILED", "RESTARTING", "HEALTHY", "SUSPECT"):
+                _say(f"\n  -> {ev['worker']}: {ev['from']} -> {ev['to']} ({ev['reason']})\n")
+        seen_events = len(events)
+        done = sum(1 for r in wl.results if r.finish_reason or r.error)
+        errs = sum(1 for r in wl.results if r.error)
+        toks = sum(len(r.chunk_times) for r in wl.results)
+        el = time.monotonic() - t0
+        states = " ".join(f"{w['id']}:{w['state'][:4]}({w['running'] + w['waiting']})" for w in ws)
+        line = f"  t={el:5.1f}s  done {done:4d}/{len(wl.results)}  errors {errs}  tokens {toks:6d}  {states}"
+        _say(("\r" + line) if tty else (line + "\n"))
+
+
+def _say(s: str) -> None:
+    sys.stdout.write(s)
+    sys.stdout.flush()
+
+
+def _pct(xs: list[float], q: float) -> str:
+    return f"{1000 * float(np.percentile(xs, q)):.0f} ms" if xs else "-"
+
+
+def summarize(wl: Workload, out: dict, mode: str) -> int:  # type: ignore[type-arg]
+    res = wl.results
+    ok = [r for r in res if r.ok]
+    errors = [r for r in res if not r.ok]
+    exact = sum(1 for r in ok if r.text == expected_text(r))
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    toks = sum(r.completion_tokens for r in ok)
+    killed = out.get("killed")
+    print("\n\n== Lumen demo summary " + "=" * 50)
+    print(f"recovery mode           {mode}")
+    print(f"requests                {len(res)} sent, {len(ok)} completed, {len(errors)} client-visible errors")
+    print(f"exact outputs           {exact}/{len(ok)} equal the no-failure expectation")
+    print(f"TTFT p50 / p99          {_pct(ttft, 50)} / {_pct(ttft, 99)}")
+    print(f"TPOT p50 / p99          {_pct(tpot, 50)} / {_pct(tpot, 99)}")
+    print(f"throughput              {toks / out['load_s']:.0f} tokens/s over {out['load_s']:.1f} s")
+    if killed:
+        wid = killed["worker"]
+        failed = [e for e in out["events"] if e["worker"] == wid and e["to"] == "FAILED"]
+        back = [e for e in out["events"] if e["worker"] == wid and e["to"] == "HEALTHY" and e["from"] != "SUSPECT"]
+        det = f"{1000 * (failed[0]['t'] - killed['at']):.1f} ms ({failed[0]['reason']})" if failed else "not detected"
+        print(f"worker killed           {wid} ({killed['mode']}), {killed['running']} running + {killed['waiting']} waiting")
+        print(f"failure detected after  {det}")
+        inter = out["sessions"]["interrupted"]
+        delays = [i["resume_delay_s"] for i in inter if i["resume_delay_s"] is not None]
+        print(f"interrupted requests    {len(inter)} resumed on {sorted({i['resumed_on'] for i in inter if i['resumed_on']})}")
+        print(f"resume delay p50 / max  {_pct(delays, 50)} / {_pct(delays, 100)}")
+        rejoin = [e for e in back if e["t"] > killed["at"]]
+        print(f"killed worker rejoined  {'yes, %.1f s after the kill' % (rejoin[0]['t'] - killed['at']) if rejoin else 'not yet'}")
+    for r in errors[:5]:
+        print(f"  error in request {r.idx}: {r.status} {r.error}")
+    return 0 if not errors or mode == "none" else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    from gateway.cli import parse_set
+
+    overrides = {**DEMO_OVERRIDES, **parse_set(args.set)}
+    mode = args.mode or "stop_restart"
+    wl = make_workload(args.requests, args.rate, args.seed)
+    print(f"Lumen demo: {args.workers} synthetic workers (Qwen3-32B on H100, modelled), {args.requests} streaming "
+          f"requests at {args.rate:g}/s, recovery mode '{mode}'; "
+          + (f"the busiest worker is killed {args.kill_at:g} s into the load" if args.kill_at >= 0 else "no failure"))
+    print("starting the cluster ...")
+    out: dict = {}  # type: ignore[type-arg]
+    with ClusterProcess(workers=args.workers, port=args.port, mode=mode, config=args.config, overrides=overrides) as c:
+        print(f"cluster ready at {c.url} (worker logs in {c.ready.get('logs')})")
+        asyncio.run(_drive(c.url, wl, args.kill_at, args.kill_mode, out))
+    return summarize(wl, out, mode)
