@@ -1,0 +1,75 @@
+"""Bearer API keys for the client API and the admin API (separate key sets).
+
+Keys are compared in constant time over SHA-256 digests, so neither a key's content nor its length
+leaks through timing, and every configured key is compared on every request. A matched key is known
+downstream (logs, metrics labels) only by `key_id`, never by its value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Sequence
+
+from aiohttp import hdrs, web
+
+from gateway.server.errors import Forbidden, Unauthorized
+
+
+def key_id(key: str) -> str:
+    """A stable, non-secret name for a key: 'key-' + the first 8 hex digits of its SHA-256."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, or None."""
+    header = request.headers.get(hdrs.AUTHORIZATION, "")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def match_key(token: str, keys: Sequence[str]) -> str | None:
+    """The key_id of the key equal to `token`, or None. Constant time in the token's content."""
+    digest = hashlib.sha256(token.encode()).digest()
+    found: str | None = None
+    for key in keys:  # no early exit: the time does not tell which key (if any) matched
+        if hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest()) and found is None:
+            found = key_id(key)
+    return found
+
+
+def check_bearer(request: web.Request, keys: Sequence[str]) -> str | None:
+    """Authenticate against `keys`: the matched key_id; None when no keys are configured (open).
+
+    Raises Unauthorized (401) when keys are configured and the request has none or a wrong one.
+    """
+    if not keys:
+        return None
+    token = bearer_token(request)
+    if token is None:
+        raise Unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
+    found = match_key(token, keys)
+    if found is None:
+        raise Unauthorized("invalid API key")
+    return found
+
+
+def is_loopback(request: web.Request) -> bool:
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+def require_admin(request: web.Request, admin_keys: Sequence[str]) -> str | None:
+    """Admin access: a valid admin key when admin keys are configured; otherwise loopback clients only.
+
+    Returns the matched key_id (None when open on loopback); raises Unauthorized (401) or Forbidden (403).
+    """
+    if admin_keys:
+        return check_bearer(request, admin_keys)
+    if not is_loopback(request):
+        raise Forbidden("the admin API accepts only loopback clients when no admin keys are configured")
+    return None

@@ -1,0 +1,245 @@
+"""Client routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate.
+
+A handler reads and validates the request, tokenizes it (applying the chat template), builds a
+`GenerateJob`, and renders what `Generator.generate` yields. It never sees workers.
+
+Streams are SSE. The first step is awaited before the response starts, so a failure before any
+output is an ordinary JSON error with its own status. A GatewayError after the stream has begun is
+sent as one `data: {"error": {...}}` event and the stream ends WITHOUT `data: [DONE]`: a missing
+[DONE] tells a client the output is incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from gateway.server.auth import check_bearer
+from gateway.server.chat_template import ChatTemplate
+from gateway.server.config import Config
+from gateway.server.detokenize import Detokenizer
+from gateway.server.errors import GatewayError, ModelNotFound, RequestTooLarge
+from gateway.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
+from gateway.server.generation import Generation
+from gateway.server.jobs import GenerateJob, Generator, Sampling
+from gateway.server.params import decode_object
+from gateway.server.schemas import (
+    Bounds,
+    Prompt,
+    SamplingRequest,
+    check_prompt_length,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
+from gateway.server.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = b"data: [DONE]\n\n"
+# texts longer than this are tokenized off the event loop
+_THREAD_ENCODE_CHARS = 32 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ClientApi:
+    config: Config
+    tokenizer: Tokenizer
+    generator: Generator
+    template: ChatTemplate
+    bounds: Bounds
+    eos_ids: tuple[int, ...]  # the tokenizer's EOS ids plus tokenizer.eos_token_ids from the config
+    created: int
+
+    async def encode(self, prompt: Prompt, *, add_special_tokens: bool, param: str) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            encode = self.tokenizer.encode
+            if len(prompt) > _THREAD_ENCODE_CHARS:
+                ids = await asyncio.to_thread(encode, prompt, add_special_tokens=add_special_tokens)
+            else:
+                ids = encode(prompt, add_special_tokens=add_special_tokens)
+            prompt = tuple(ids)
+        check_prompt_length(prompt, self.bounds, param)
+        return prompt
+
+    def job(
+        self, rid: str, prompt_ids: tuple[int, ...], s: SamplingRequest, stream: bool, labels: dict[str, str]
+    ) -> GenerateJob:
+        base = () if s.ignore_eos else self.eos_ids  # the request's own stop ids hold even then
+        sampling = Sampling(
+            max_new_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop_token_ids=tuple(dict.fromkeys((*base, *s.stop_token_ids))),
+            ignore_eos=s.ignore_eos,
+            seed=s.seed,
+        )
+        return GenerateJob(rid, prompt_ids, sampling, stream, labels)
+
+    def generation(self, job: GenerateJob, stop: tuple[str, ...]) -> Generation:
+        return Generation(self.generator, job, Detokenizer(self.tokenizer, stop))
+
+
+CLIENT_API = web.AppKey("lumen_client_api", ClientApi)
+KEY_ID = web.RequestKey("lumen_key_id", str)  # the matched API key's key_id; absent when auth is off
+
+
+def add_client_routes(
+    app: web.Application, *, config: Config, tokenizer: Tokenizer, generator: Generator
+) -> None:
+    """Register the client API on `app`. Raises ConfigError if the chat template does not load."""
+    eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *config.tokenizer.eos_token_ids)))
+    app[CLIENT_API] = ClientApi(
+        config=config,
+        tokenizer=tokenizer,
+        generator=generator,
+        template=ChatTemplate.load(config.tokenizer.chat_template, tokenizer),
+        bounds=Bounds.of(config, tokenizer.vocab_size),
+        eos_ids=eos,
+        created=int(time.time()),
+    )
+    guard = _guard(config.gateway.api_keys)
+    app.router.add_post("/v1/completions", guard(completions))
+    app.router.add_post("/v1/chat/completions", guard(chat_completions))
+    app.router.add_get("/v1/models", guard(list_models))
+    app.router.add_get("/v1/models/{model:.+}", guard(get_model))  # names may hold "/"
+    app.router.add_post("/generate", guard(generate))
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _guard(keys: tuple[str, ...]) -> Callable[[Handler], Handler]:
+    def wrap(handler: Handler) -> Handler:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            found = check_bearer(request, keys)
+            if found is not None:
+                request[KEY_ID] = found
+            return await handler(request)
+
+        return guarded
+
+    return wrap
+
+
+def _labels(request: web.Request, endpoint: str) -> dict[str, str]:
+    labels = {"endpoint": endpoint}
+    if KEY_ID in request:
+        labels["api_key"] = request[KEY_ID]
+    return labels
+
+
+async def read_json(request: web.Request, limit: int) -> dict[str, object]:
+    """The body as one JSON object, refusing (413) more than `limit` bytes before reading them all."""
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestTooLarge(f"the request body has {request.content_length} bytes; the limit is {limit}")
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise RequestTooLarge(f"the request body exceeds the limit of {limit} bytes")
+    return decode_object(bytes(buf))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    api = request.config_dict[CLIENT_API]
+    req = parse_completion(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
+    ids = await api.encode(req.prompt, add_special_tokens=True, param="prompt")
+    job = api.job(f"cmpl-{uuid.uuid4().hex}", ids, req.sampling, req.stream, _labels(request, "completions"))
+    fmt = CompletionFormat(job.rid, api.bounds.model, int(time.time()), req.include_usage)
+    return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    api = request.config_dict[CLIENT_API]
+    req = parse_chat(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
+    text = api.template.render(req.messages)
+    # the template places BOS and other specials itself
+    ids = await api.encode(text, add_special_tokens=False, param="messages")
+    job = api.job(f"chatcmpl-{uuid.uuid4().hex}", ids, req.sampling, req.stream, _labels(request, "chat"))
+    fmt = ChatFormat(job.rid, api.bounds.model, int(time.time()), req.include_usage)
+    return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    api = request.config_dict[CLIENT_API]
+    req = parse_generate(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
+    param = "text" if isinstance(req.prompt, str) else "input_ids"
+    ids = await api.encode(req.prompt, add_special_tokens=True, param=param)
+    labels = _labels(request, "generate")
+    # a client's rid names the response only: jobs get unique gateway ids, so clients cannot collide
+    job = api.job(f"gen-{uuid.uuid4().hex}", ids, req.sampling, req.stream, labels)
+    fmt = NativeFormat(req.rid or job.rid)
+    return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
+
+
+def _model_card(api: ClientApi) -> dict[str, object]:
+    return {"id": api.bounds.model, "object": "model", "created": api.created, "owned_by": "lumen"}
+
+
+async def list_models(request: web.Request) -> web.StreamResponse:
+    api = request.config_dict[CLIENT_API]
+    return _json({"object": "list", "data": [_model_card(api)]})
+
+
+async def get_model(request: web.Request) -> web.StreamResponse:
+    api = request.config_dict[CLIENT_API]
+    if request.match_info["model"] != api.bounds.model:
+        raise ModelNotFound(f"the model '{request.match_info['model']}' does not exist", param="model")
+    return _json(_model_card(api))
+
+
+def _json(obj: object) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+async def respond(request: web.Request, gen: Generation, fmt: Format, stream: bool) -> web.StreamResponse:
+    async with gen:  # closes the generator on every way out, cancellation included
+        if not stream:
+            parts = []
+            while (step := await gen.next()) is not None:
+                parts.append(step.text)
+            return _json(fmt.response("".join(parts), gen))
+        first = await gen.next()  # raises before any output: the middleware answers with a status
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        try:
+            step = first
+            while step is not None:
+                for chunk in fmt.chunks(step, gen):
+                    await resp.write(_sse(chunk))
+                step = await gen.next()
+            for chunk in fmt.closing(gen):
+                await resp.write(_sse(chunk))
+            await resp.write(SSE_DONE)
+        except ConnectionResetError:
+            log.debug("client left mid-stream", rid=gen.job.rid)
+        except GatewayError as exc:
+            await _write_error(resp, exc.body())
+        except Exception:
+            # the status is already sent, so the error middleware cannot answer: end the stream cleanly
+            log.exception("stream failed", rid=gen.job.rid)
+            await _write_error(
+                resp, {"error": {"message": "internal server error", "type": "internal_error", "code": None}}
+            )
+        return resp
+
+
+async def _write_error(resp: web.StreamResponse, body: dict[str, object]) -> None:
+    try:
+        await resp.write(_sse(body))
+    except ConnectionResetError:
+        pass

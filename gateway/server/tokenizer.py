@@ -1,0 +1,244 @@
+"""Tokenizers the gateway uses to turn text into prompt ids and output ids back into text.
+
+The gateway tokenizes itself (DESIGN 4.2): it must know a request's prompt ids to resume it elsewhere.
+Two kinds: `ByteTokenizer` for synthetic models (a byte is a token) and `HFTokenizer` around a
+Hugging Face `tokenizer.json`. Streaming goes through an `IncrementalDecoder`, which never returns
+half of a multi-byte character: incomplete bytes are held until they complete, and only `finish()`
+turns a dangling remainder into U+FFFD.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+from gateway.server.config import ConfigError, TokenizerSection
+
+
+class IncrementalDecoder(Protocol):
+    def step(self, ids: Sequence[int]) -> str:
+        """Text completed by `ids` (possibly ""); incomplete characters are held back."""
+        ...
+
+    def finish(self) -> str:
+        """Whatever is still held back, with incomplete characters replaced by U+FFFD."""
+        ...
+
+
+class Tokenizer(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation by default (may be empty when undeterminable)."""
+        ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def bos_token(self) -> str | None: ...
+
+    @property
+    def eos_token(self) -> str | None: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; special and unknown ids are skipped."""
+        ...
+
+    def incremental_decoder(self) -> IncrementalDecoder: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# byte tokenizer (synthetic models)
+
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+_BYTE_SPECIALS = {"<|bos|>": BOS_ID, "<|eos|>": EOS_ID, "<|pad|>": PAD_ID}
+
+
+class _Utf8Decoder:
+    def __init__(self) -> None:
+        # "replace" only affects bytes that can never become valid; an incomplete tail stays buffered
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, ids: Sequence[int]) -> str:
+        return self._dec.decode(bytes(i for i in ids if 0 <= i < 256))
+
+    def finish(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class ByteTokenizer:
+    """Ids 0..255 are bytes; 256 <|bos|>, 257 <|eos|>, 258 <|pad|>. Special-token text encodes to its id."""
+
+    name = "byte"
+    vocab_size = 259
+    eos_token_ids: tuple[int, ...] = (EOS_ID,)
+    eos_token_id: int | None = EOS_ID
+    bos_token: str | None = "<|bos|>"
+    eos_token: str | None = "<|eos|>"
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        # add_special_tokens is accepted for the protocol; synthetic models take no BOS
+        ids: list[int] = []
+        rest = text
+        while rest:
+            cut, special = _first_special(rest)
+            ids.extend(rest[:cut].encode("utf-8"))
+            if special is None:
+                break
+            ids.append(_BYTE_SPECIALS[special])
+            rest = rest[cut + len(special) :]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return _Utf8Decoder()
+
+
+def _first_special(text: str) -> tuple[int, str | None]:
+    best: tuple[int, str | None] = (len(text), None)
+    for tok in _BYTE_SPECIALS:
+        at = text.find(tok)
+        if 0 <= at < best[0]:
+            best = (at, tok)
+    return best
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face tokenizer.json
+
+# special tokens that end a turn or a document in common model families; used only when neither
+# tokenizer_config.json nor generation_config.json names the EOS
+_KNOWN_EOS = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<eos>", "<|eos|>")
+
+
+class _HFStreamDecoder:
+    def __init__(self, tok: tokenizers.Tokenizer) -> None:
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._emitted: list[str] = []
+        self._held = False  # the last id fed did not yet complete a character
+
+    def step(self, ids: Sequence[int]) -> str:
+        out: list[str] = []
+        for i in ids:
+            self._ids.append(i)
+            piece = self._stream.step(self._tok, i)
+            self._held = piece is None
+            if piece:
+                out.append(piece)
+        text = "".join(out)
+        self._emitted.append(text)
+        return text
+
+    def finish(self) -> str:
+        if not self._held:
+            return ""
+        # the stream holds bytes that never completed: a full decode shows them as U+FFFD
+        emitted = "".join(self._emitted)
+        full = self._tok.decode(self._ids, skip_special_tokens=True)
+        return full[len(emitted) :] if full.startswith(emitted) else ""
+
+
+class HFTokenizer:
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        name: str,
+        eos_token_ids: tuple[int, ...],
+        bos_token: str | None,
+        eos_token: str | None,
+    ) -> None:
+        self._tok = tok
+        self.name = name
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = eos_token_ids
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HFTokenizer:
+        """Load `tokenizer.json`; EOS/BOS come from tokenizer_config.json and generation_config.json
+        beside it when present, else from the tokenizer's special tokens."""
+        p = Path(path)
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(p))
+        except Exception as exc:  # the library raises a bare Exception for unreadable files
+            raise ConfigError("tokenizer.path", str(p), f"not a loadable tokenizer.json: {exc}") from exc
+        tok_cfg = _read_json(p.parent / "tokenizer_config.json")
+        gen_cfg = _read_json(p.parent / "generation_config.json")
+        eos_token = _token_text(tok_cfg.get("eos_token"))
+        bos_token = _token_text(tok_cfg.get("bos_token"))
+        eos: list[int] = []
+        if eos_token is not None and (tid := tok.token_to_id(eos_token)) is not None:
+            eos.append(tid)
+        gen_eos = gen_cfg.get("eos_token_id")
+        gen_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        eos.extend(t for t in gen_ids if isinstance(t, int) and not isinstance(t, bool))
+        if not eos:
+            specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+            eos = [specials[t] for t in _KNOWN_EOS if t in specials]
+            if eos and eos_token is None:
+                eos_token = tok.id_to_token(eos[0])
+        name = p.parent.name if p.name == "tokenizer.json" and p.parent.name else p.stem
+        return cls(
+            tok,
+            name=name,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self._tok.decode(list(ids), skip_special_tokens=True)
+        return text
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return _HFStreamDecoder(self._tok)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: object) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def make_tokenizer(section: TokenizerSection) -> Tokenizer:
+    if section.kind == "byte":
+        return ByteTokenizer()
+    if section.kind == "hf":
+        return HFTokenizer.from_file(section.path)
+    raise ConfigError("tokenizer.kind", section.kind, "must be one of byte, hf")
