@@ -13,9 +13,16 @@ from typing import Any
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config (default: configs/default.toml)")
-    p.add_argument("--mode", choices=["none", "stop_restart", "fixed_checkpoint", "lumen"], help="recovery mode")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set recovery.theta=1.5 (value parsed as TOML)")
+    p.add_argument(
+        "--mode", choices=["none", "stop_restart", "fixed_checkpoint", "lumen"], help="recovery mode"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set recovery.theta=1.5 (value parsed as TOML)",
+    )
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -100,7 +107,9 @@ def _admin(port: int, method: str, path: str) -> Any:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        print(f"lumen: {method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        print(
+            f"lumen: {method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr
+        )
         raise SystemExit(1) from exc
     except urllib.error.URLError as exc:
         print(f"lumen: cannot reach the gateway on port {port}: {exc.reason}", file=sys.stderr)
@@ -108,14 +117,18 @@ def _admin(port: int, method: str, path: str) -> Any:
 
 
 def cmd_cluster_kill(args: argparse.Namespace) -> int:
-    print(json.dumps(_admin(args.port, "POST", f"/admin/workers/{args.worker_id}/kill?mode={args.kill_mode}")))
+    print(
+        json.dumps(_admin(args.port, "POST", f"/admin/workers/{args.worker_id}/kill?mode={args.kill_mode}"))
+    )
     return 0
 
 
 def cmd_cluster_status(args: argparse.Namespace) -> int:
     for w in _admin(args.port, "GET", "/admin/workers"):
-        print(f"{w['id']:>4} {w['state']:<11} inc={w['incarnation']} running={w['running']} "
-              f"waiting={w['waiting']} load={w['load']}")
+        print(
+            f"{w['id']:>4} {w['state']:<11} inc={w['incarnation']} running={w['running']} "
+            f"waiting={w['waiting']} load={w['load']}"
+        )
     return 0
 
 
@@ -142,7 +155,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lumen", description="Lumen: failure-transparent LLM serving gateway")
+    parser = argparse.ArgumentParser(
+        prog="lumen", description="Lumen: failure-transparent LLM serving gateway"
+    )
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
 
     p = sub.add_parser("gateway", help="run the gateway (workers attach to its control plane)")

@@ -36,7 +36,17 @@ class ClusterProcess:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "gateway.cli", "cluster", "up", "--workers", str(workers), "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "cluster",
+            "up",
+            "--workers",
+            str(workers),
+            "--port",
+            str(self.port),
+        ]
         if mode:
             cmd += ["--mode", mode]
         if config:
@@ -49,7 +59,9 @@ class ClusterProcess:
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[str] | None = None
         self.ready: dict[str, Any] = {}
-        self.stderr_path = (log_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / f"lumen-cluster-{self.port}.stderr"
+        self.stderr_path = (
+            log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        ) / f"lumen-cluster-{self.port}.stderr"
 
     def __enter__(self) -> ClusterProcess:
         self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +85,9 @@ class ClusterProcess:
             raise RuntimeError(f"cluster did not become ready: {self.ready}; stderr: {self.stderr_tail()}")
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def stop(self, timeout_s: float = 15.0) -> int | None:

@@ -13,6 +13,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -68,16 +69,22 @@ def expected_text(r: RequestResult) -> str:
 def _sampling(r: RequestResult):  # type: ignore[no-untyped-def]
     from gateway.protocol.generate import SamplingParams
 
-    return SamplingParams(max_new_tokens=r.max_tokens, temperature=r.temperature, stop_token_ids=[257], ignore_eos=True)
+    return SamplingParams(
+        max_new_tokens=r.max_tokens, temperature=r.temperature, stop_token_ids=[257], ignore_eos=True
+    )
 
 
-async def _drive(url: str, wl: Workload, kill_at: float, kill_mode: str, out: dict) -> None:  # type: ignore[type-arg]
+async def _drive(url: str, wl: Workload, kill_at: float, kill_mode: str, out: dict[str, Any]) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         model = (await (await http.get(f"{url}/v1/models")).json())["data"][0]["id"]
         t0 = time.monotonic()
         tasks: list[asyncio.Task[RequestResult]] = []
         progress = asyncio.create_task(_progress(http, url, wl, t0, out))
-        killer = asyncio.create_task(_kill_busiest(http, url, t0, kill_at, kill_mode, out)) if kill_at >= 0 else None
+        killer = (
+            asyncio.create_task(_kill_busiest(http, url, t0, kill_at, kill_mode, out))
+            if kill_at >= 0
+            else None
+        )
         for r, gap in zip(wl.results, wl.gaps, strict=True):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(stream_completion(http, url, model, r)))
@@ -100,17 +107,25 @@ async def _drive(url: str, wl: Workload, kill_at: float, kill_mode: str, out: di
         out["workers"] = await (await http.get(f"{url}/admin/workers")).json()
 
 
-async def _kill_busiest(http: aiohttp.ClientSession, url: str, t0: float, at: float, mode: str, out: dict) -> None:  # type: ignore[type-arg]
+async def _kill_busiest(
+    http: aiohttp.ClientSession, url: str, t0: float, at: float, mode: str, out: dict[str, Any]
+) -> None:
     await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
     ws = await (await http.get(f"{url}/admin/workers")).json()
-    busiest = max((w for w in ws if w["state"] == "HEALTHY"), key=lambda w: (w["running"] + w["waiting"], w["id"]))
+    busiest = max(
+        (w for w in ws if w["state"] == "HEALTHY"), key=lambda w: (w["running"] + w["waiting"], w["id"])
+    )
     res = await (await http.post(f"{url}/admin/workers/{busiest['id']}/kill?mode={mode}")).json()
     out["killed"] = {**res, "running": busiest["running"], "waiting": busiest["waiting"]}
-    _say(f"\n  !! {'kill -9' if mode == 'kill' else 'SIGSTOP'} {busiest['id']} (pid {res['pid']}) with "
-         f"{busiest['running']} running / {busiest['waiting']} waiting requests\n")
+    _say(
+        f"\n  !! {'kill -9' if mode == 'kill' else 'SIGSTOP'} {busiest['id']} (pid {res['pid']}) with "
+        f"{busiest['running']} running / {busiest['waiting']} waiting requests\n"
+    )
 
 
-async def _progress(http: aiohttp.ClientSession, url: str, wl: Workload, t0: float, out: dict) -> None:  # type: ignore[type-arg]
+async def _progress(
+    http: aiohttp.ClientSession, url: str, wl: Workload, t0: float, out: dict[str, Any]
+) -> None:
     tty = sys.stdout.isatty()
     seen_events = 0
     while True:
@@ -142,7 +157,7 @@ def _pct(xs: list[float], q: float) -> str:
     return f"{1000 * float(np.percentile(xs, q)):.0f} ms" if xs else "-"
 
 
-def summarize(wl: Workload, out: dict, mode: str) -> int:  # type: ignore[type-arg]
+def summarize(wl: Workload, out: dict[str, Any], mode: str) -> int:
     res = wl.results
     ok = [r for r in res if r.ok]
     errors = [r for r in res if not r.ok]
@@ -153,7 +168,9 @@ def summarize(wl: Workload, out: dict, mode: str) -> int:  # type: ignore[type-a
     killed = out.get("killed")
     print("\n\n== Lumen demo summary " + "=" * 50)
     print(f"recovery mode           {mode}")
-    print(f"requests                {len(res)} sent, {len(ok)} completed, {len(errors)} client-visible errors")
+    print(
+        f"requests                {len(res)} sent, {len(ok)} completed, {len(errors)} client-visible errors"
+    )
     print(f"exact outputs           {exact}/{len(ok)} equal the no-failure expectation")
     print(f"TTFT p50 / p99          {_pct(ttft, 50)} / {_pct(ttft, 99)}")
     print(f"TPOT p50 / p99          {_pct(tpot, 50)} / {_pct(tpot, 99)}")
@@ -161,16 +178,28 @@ def summarize(wl: Workload, out: dict, mode: str) -> int:  # type: ignore[type-a
     if killed:
         wid = killed["worker"]
         failed = [e for e in out["events"] if e["worker"] == wid and e["to"] == "FAILED"]
-        back = [e for e in out["events"] if e["worker"] == wid and e["to"] == "HEALTHY" and e["from"] != "SUSPECT"]
-        det = f"{1000 * (failed[0]['t'] - killed['at']):.1f} ms ({failed[0]['reason']})" if failed else "not detected"
-        print(f"worker killed           {wid} ({killed['mode']}), {killed['running']} running + {killed['waiting']} waiting")
+        back = [
+            e for e in out["events"] if e["worker"] == wid and e["to"] == "HEALTHY" and e["from"] != "SUSPECT"
+        ]
+        det = (
+            f"{1000 * (failed[0]['t'] - killed['at']):.1f} ms ({failed[0]['reason']})"
+            if failed
+            else "not detected"
+        )
+        print(
+            f"worker killed           {wid} ({killed['mode']}), {killed['running']} running + {killed['waiting']} waiting"
+        )
         print(f"failure detected after  {det}")
         inter = out["sessions"]["interrupted"]
         delays = [i["resume_delay_s"] for i in inter if i["resume_delay_s"] is not None]
-        print(f"interrupted requests    {len(inter)} resumed on {sorted({i['resumed_on'] for i in inter if i['resumed_on']})}")
+        print(
+            f"interrupted requests    {len(inter)} resumed on {sorted({i['resumed_on'] for i in inter if i['resumed_on']})}"
+        )
         print(f"resume delay p50 / max  {_pct(delays, 50)} / {_pct(delays, 100)}")
         rejoin = [e for e in back if e["t"] > killed["at"]]
-        print(f"killed worker rejoined  {'yes, %.1f s after the kill' % (rejoin[0]['t'] - killed['at']) if rejoin else 'not yet'}")
+        print(
+            f"killed worker rejoined  {'yes, %.1f s after the kill' % (rejoin[0]['t'] - killed['at']) if rejoin else 'not yet'}"
+        )
     for r in errors[:5]:
         print(f"  error in request {r.idx}: {r.status} {r.error}")
     return 0 if not errors or mode == "none" else 1
@@ -182,12 +211,20 @@ def main(args: argparse.Namespace) -> int:
     overrides = {**DEMO_OVERRIDES, **parse_set(args.set)}
     mode = args.mode or "stop_restart"
     wl = make_workload(args.requests, args.rate, args.seed)
-    print(f"Lumen demo: {args.workers} synthetic workers (Qwen3-32B on H100, modelled), {args.requests} streaming "
-          f"requests at {args.rate:g}/s, recovery mode '{mode}'; "
-          + (f"the busiest worker is killed {args.kill_at:g} s into the load" if args.kill_at >= 0 else "no failure"))
+    print(
+        f"Lumen demo: {args.workers} synthetic workers (Qwen3-32B on H100, modelled), {args.requests} streaming "
+        f"requests at {args.rate:g}/s, recovery mode '{mode}'; "
+        + (
+            f"the busiest worker is killed {args.kill_at:g} s into the load"
+            if args.kill_at >= 0
+            else "no failure"
+        )
+    )
     print("starting the cluster ...")
-    out: dict = {}  # type: ignore[type-arg]
-    with ClusterProcess(workers=args.workers, port=args.port, mode=mode, config=args.config, overrides=overrides) as c:
+    out: dict[str, Any] = {}
+    with ClusterProcess(
+        workers=args.workers, port=args.port, mode=mode, config=args.config, overrides=overrides
+    ) as c:
         print(f"cluster ready at {c.url} (worker logs in {c.ready.get('logs')})")
         asyncio.run(_drive(c.url, wl, args.kill_at, args.kill_mode, out))
     return summarize(wl, out, mode)

@@ -36,9 +36,6 @@ class FaultInjector(Protocol):
     def kill(self, worker_id: str, mode: str) -> Awaitable[dict[str, object]]: ...
 
 
-GATEWAY = web.AppKey("gateway", "Gateway")
-
-
 class Gateway:
     def __init__(self, config: Config, *, fault_injector: FaultInjector | None = None) -> None:
         self.config = config
@@ -71,7 +68,9 @@ class Gateway:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         g = self.config.gateway
-        self._grpc, self.control_port = await start_control_server(self.control, g.control_host, g.control_port)
+        self._grpc, self.control_port = await start_control_server(
+            self.control, g.control_host, g.control_port
+        )
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.timeouts.worker_connect_s),
@@ -85,13 +84,19 @@ class Gateway:
         )
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         app = self.build_app()
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.config.timeouts.shutdown_grace_s)
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=self.config.timeouts.shutdown_grace_s
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, g.host, g.port)
         await site.start()
-        self.http_port = site._server.sockets[0].getsockname()[1] if site._server else g.port  # type: ignore[union-attr]
-        log.info("gateway_started", http=f"http://{g.host}:{self.http_port}", control=f"{g.control_host}:{self.control_port}",
-                 mode=self.config.recovery.mode)
+        self.http_port = int(self._runner.addresses[0][1])
+        log.info(
+            "gateway_started",
+            http=f"http://{g.host}:{self.http_port}",
+            control=f"{g.control_host}:{self.control_port}",
+            mode=self.config.recovery.mode,
+        )
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -108,8 +113,9 @@ class Gateway:
     def build_app(self) -> web.Application:
         if self.sessions is None:
             raise RuntimeError("Gateway.start() builds the app")
-        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.limits.max_request_bytes)
-        app[GATEWAY] = self
+        app = web.Application(
+            middlewares=[error_middleware], client_max_size=self.config.limits.max_request_bytes
+        )
         add_client_routes(app, config=self.config, tokenizer=self.tokenizer, generator=self.sessions)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)

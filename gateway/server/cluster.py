@@ -101,7 +101,9 @@ class LocalCluster:
             if wp.supervisor is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await wp.supervisor
-        procs = [wp.proc for wp in self.workers.values() if wp.proc is not None and wp.proc.returncode is None]
+        procs = [
+            wp.proc for wp in self.workers.values() if wp.proc is not None and wp.proc.returncode is None
+        ]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGCONT)  # a hung worker cannot handle SIGTERM
@@ -121,7 +123,12 @@ class LocalCluster:
         wp = self.workers.get(worker_id)
         if wp is None or wp.proc is None:
             raise NotFound(f"no local worker {worker_id!r}; known: {', '.join(sorted(self.workers))}")
-        sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT, "term": signal.SIGTERM}[mode]
+        sig = {
+            "kill": signal.SIGKILL,
+            "hang": signal.SIGSTOP,
+            "resume": signal.SIGCONT,
+            "term": signal.SIGTERM,
+        }[mode]
         pid = wp.proc.pid
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -147,7 +154,9 @@ class LocalCluster:
             )
         wp.starts += 1
         wp.hung = False
-        log.info("worker_started", worker=spec.worker_id, pid=wp.proc.pid, restart=restart, log=str(wp.log_path))
+        log.info(
+            "worker_started", worker=spec.worker_id, pid=wp.proc.pid, restart=restart, log=str(wp.log_path)
+        )
 
     async def _supervise(self, wp: WorkerProcess) -> None:
         while wp.proc is not None:

@@ -432,4 +432,9 @@ def validate(cfg: Config) -> None:
         cl.failure_domains,
         "must be in 1..cluster.workers",
     )
-    _check(cl.worker_ckpt_budget_bytes >= 0, "cluster.worker_ckpt_budget_bytes", cl.worker_ckpt_budget_bytes, ">= 0")
+    _check(
+        cl.worker_ckpt_budget_bytes >= 0,
+        "cluster.worker_ckpt_budget_bytes",
+        cl.worker_ckpt_budget_bytes,
+        ">= 0",
+    )

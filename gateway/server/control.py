@@ -41,7 +41,7 @@ class ControlService(pb_grpc.ControlServicer):
         box.put_nowait(msg)
         return True
 
-    async def Attach(self, request_iterator: object, context: aio.ServicerContext) -> None:  # noqa: N802
+    async def Attach(self, request_iterator: object, context: aio.ServicerContext) -> None:
         first = await context.read()
         if first is aio.EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be Hello")
@@ -54,8 +54,12 @@ class ControlService(pb_grpc.ControlServicer):
             except AttachRefused as exc:
                 refusal = str(exc)
         if refusal is not None:
-            log.warning("attach_refused", worker=hello.worker_id, incarnation=hello.incarnation, reason=refusal)
-            await context.write(pb.GatewayMessage(incarnation=hello.incarnation, refuse=pb.Refuse(reason=refusal)))
+            log.warning(
+                "attach_refused", worker=hello.worker_id, incarnation=hello.incarnation, reason=refusal
+            )
+            await context.write(
+                pb.GatewayMessage(incarnation=hello.incarnation, refuse=pb.Refuse(reason=refusal))
+            )
             return
         await context.write(
             pb.GatewayMessage(
@@ -105,7 +109,9 @@ class ControlService(pb_grpc.ControlServicer):
             else:
                 log.warning("unexpected_worker_message", worker=rec.id, kind=msg.WhichOneof("body"))
 
-    async def _write_loop(self, context: aio.ServicerContext, outbox: asyncio.Queue[pb.GatewayMessage]) -> None:
+    async def _write_loop(
+        self, context: aio.ServicerContext, outbox: asyncio.Queue[pb.GatewayMessage]
+    ) -> None:
         while True:
             msg = await outbox.get()
             await context.write(msg)
@@ -114,7 +120,7 @@ class ControlService(pb_grpc.ControlServicer):
 async def start_control_server(service: ControlService, host: str, port: int) -> tuple[aio.Server, int]:
     """Start the gRPC server; returns it and the bound port (port 0 lets the OS choose)."""
     server = aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ControlServicer_to_server(service, server)
+    pb_grpc.add_ControlServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the control plane on {host}:{port}")

@@ -10,18 +10,29 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("lumen_requests", "Client requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
+        self.requests = Counter(
+            "lumen_requests", "Client requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
         self.inflight = Gauge("lumen_inflight_requests", "Requests in flight in the gateway", registry=r)
-        self.ttft = Histogram("lumen_ttft_seconds", "Time to first token seen by the gateway", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "lumen_ttft_seconds",
+            "Time to first token seen by the gateway",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.output_tokens = Counter("lumen_output_tokens", "Output tokens streamed to clients", registry=r)
-        self.worker_failures = Counter("lumen_worker_failures", "Worker incarnations declared FAILED", ["reason"], registry=r)
+        self.worker_failures = Counter(
+            "lumen_worker_failures", "Worker incarnations declared FAILED", ["reason"], registry=r
+        )
         self.detection_seconds = Histogram(
             "lumen_failure_detection_seconds",
             "Last heartbeat to FAILED",
             buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1, 5),
             registry=r,
         )
-        self.interrupted = Counter("lumen_interrupted_requests", "Requests whose worker failed mid-flight", ["mode"], registry=r)
+        self.interrupted = Counter(
+            "lumen_interrupted_requests", "Requests whose worker failed mid-flight", ["mode"], registry=r
+        )
         self.resumes = Counter("lumen_resumes", "Resumed attempts by how they resumed", ["kind"], registry=r)
         self.resume_delay = Histogram(
             "lumen_resume_delay_seconds",
@@ -29,8 +40,15 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.stalls = Counter("lumen_stream_stalls", "Worker streams abandoned after a stall timeout", registry=r)
-        self.client_errors = Counter("lumen_client_visible_errors", "Requests that ended in an error for the client", ["code"], registry=r)
+        self.stalls = Counter(
+            "lumen_stream_stalls", "Worker streams abandoned after a stall timeout", registry=r
+        )
+        self.client_errors = Counter(
+            "lumen_client_visible_errors",
+            "Requests that ended in an error for the client",
+            ["code"],
+            registry=r,
+        )
         self.workers = Gauge("lumen_workers", "Workers by state", ["state"], registry=r)
 
     def render(self) -> bytes:

@@ -24,7 +24,7 @@ log = structlog.get_logger("lumen.monitor")
 Clock = Callable[[], float]
 FailureCallback = Callable[[str], None]
 
-_PHASES = {
+_PHASES: dict[int, Phase] = {
     pb.LOADING_DRAFT: Phase.LOADING_DRAFT,
     pb.DRAFT_READY: Phase.DRAFT_READY,
     pb.LOADING_FULL: Phase.LOADING_FULL,
@@ -203,7 +203,9 @@ class LoadMonitor:
         for rec in list(self.workers.values()):
             if rec.state not in health.ALIVE_STATES:
                 continue
-            dst = health.missed_heartbeat_state(rec.state, now - rec.last_heartbeat, self.interval_s, self.misses)
+            dst = health.missed_heartbeat_state(
+                rec.state, now - rec.last_heartbeat, self.interval_s, self.misses
+            )
             if dst is WorkerState.FAILED:
                 self._fail(rec, f"no heartbeat for {1000 * (now - rec.last_heartbeat):.0f} ms")
             elif dst is not rec.state:
@@ -268,8 +270,14 @@ class LoadMonitor:
     def _record(self, rec: WorkerRecord, src: WorkerState | None, dst: WorkerState, reason: str) -> None:
         ev = StateEvent(self.clock(), rec.id, rec.incarnation, src, dst, reason)
         self.events.append(ev)
-        log.info("worker_state", worker=rec.id, incarnation=rec.incarnation, src=src and src.value,
-                 dst=dst.value, reason=reason)
+        log.info(
+            "worker_state",
+            worker=rec.id,
+            incarnation=rec.incarnation,
+            src=src and src.value,
+            dst=dst.value,
+            reason=reason,
+        )
         for cb in self.on_state_change:
             cb(ev)
         if dst is WorkerState.HEALTHY:

@@ -30,7 +30,13 @@ async def run_gateway(config: Config) -> None:
     stop = _stop_event()
     gw = Gateway(config)
     await gw.start()
-    _announce({"event": "ready", "url": f"http://{config.gateway.host}:{gw.http_port}", "control_port": gw.control_port})
+    _announce(
+        {
+            "event": "ready",
+            "url": f"http://{config.gateway.host}:{gw.http_port}",
+            "control_port": gw.control_port,
+        }
+    )
     try:
         await stop.wait()
     finally:
@@ -51,7 +57,9 @@ async def run_cluster(config: Config, *, log_dir: Path | None = None, ready_time
         await cluster.start()
         ready = await _wait_healthy(gw, len(specs), ready_timeout_s, stop)
         if not ready:
-            log.error("cluster_not_ready", healthy=gw.monitor.healthy_count(), want=len(specs), logs=str(logs))
+            log.error(
+                "cluster_not_ready", healthy=gw.monitor.healthy_count(), want=len(specs), logs=str(logs)
+            )
         _announce(
             {
                 "event": "ready" if ready else "degraded",

@@ -135,7 +135,9 @@ class SessionManager:
                 raise WorkerLost("stream ended without a finish reason")
             except WorkerRefused as exc:
                 if not exc.retryable:
-                    raise UpstreamRejected(f"worker {worker.id} rejected the request: {exc.body[:200]}") from exc
+                    raise UpstreamRejected(
+                        f"worker {worker.id} rejected the request: {exc.body[:200]}"
+                    ) from exc
                 # stale view (409) or still loading (503): another worker, not a failure of this one
                 excluded.add(worker.id)
                 lost_reason = str(exc)
@@ -148,7 +150,9 @@ class SessionManager:
                     excluded.add(worker.id)
             self._note_interruption(s, worker, lost_reason)
             if rec_cfg.mode == "none":
-                raise UpstreamFailed(f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'")
+                raise UpstreamFailed(
+                    f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'"
+                )
             if s.attempts >= rec_cfg.max_attempts:
                 raise UpstreamFailed(f"gave up after {s.attempts} worker attempts; last: {lost_reason}")
 
@@ -213,7 +217,7 @@ class SessionManager:
                     s.finish_reason = finish
                     yield TokenDelta(
                         tuple(ids),
-                        finish_reason=finish,  # type: ignore[arg-type]
+                        finish_reason=finish,
                         matched_stop=fin.matched if fin is not None else None,
                         cached_tokens=chunk.meta_info.cached_tokens,
                     )
@@ -241,7 +245,9 @@ class SessionManager:
     def _note_interruption(self, s: Session, worker: WorkerRecord, reason: str) -> None:
         now = self.clock()
         s.interruptions.append(
-            Interruption(worker.id, worker.incarnation, reason, now, len(s.emitted), s.last_token_at or s.arrived)
+            Interruption(
+                worker.id, worker.incarnation, reason, now, len(s.emitted), s.last_token_at or s.arrived
+            )
         )
         self.metrics.interrupted.labels(mode=self.recovery.mode).inc()
         log.info(

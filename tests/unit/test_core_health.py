@@ -1,4 +1,5 @@
 """Worker state machine and failure detection by silence."""
+import itertools
 
 import pytest
 from hypothesis import given
@@ -19,14 +20,33 @@ S = WorkerState
 
 
 def test_documented_lifecycle_is_legal() -> None:
-    path = [S.JOINING, S.HEALTHY, S.SUSPECT, S.HEALTHY, S.SUSPECT, S.FAILED, S.RESTARTING, S.DRAFT_READY, S.HEALTHY,
-            S.DRAINING, S.REMOVED]
-    for a, b in zip(path, path[1:], strict=False):
+    path = [
+        S.JOINING,
+        S.HEALTHY,
+        S.SUSPECT,
+        S.HEALTHY,
+        S.SUSPECT,
+        S.FAILED,
+        S.RESTARTING,
+        S.DRAFT_READY,
+        S.HEALTHY,
+        S.DRAINING,
+        S.REMOVED,
+    ]
+    for a, b in itertools.pairwise(path):
         assert transition(a, b) is b
 
 
-@pytest.mark.parametrize(("src", "dst"), [(S.FAILED, S.SUSPECT), (S.REMOVED, S.HEALTHY), (S.DRAFT_READY, S.SUSPECT),
-                                          (S.HEALTHY, S.RESTARTING), (S.JOINING, S.DRAFT_READY)])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (S.FAILED, S.SUSPECT),
+        (S.REMOVED, S.HEALTHY),
+        (S.DRAFT_READY, S.SUSPECT),
+        (S.HEALTHY, S.RESTARTING),
+        (S.JOINING, S.DRAFT_READY),
+    ],
+)
 def test_illegal_transitions_raise(src: WorkerState, dst: WorkerState) -> None:
     with pytest.raises(IllegalTransition, match=f"{src.value} -> {dst.value}"):
         transition(src, dst)

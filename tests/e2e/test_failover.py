@@ -1,0 +1,117 @@
+"""Replay failover end to end: workers die, hang, or come back as zombies; clients see exact streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.e2e.conftest import admin, expected_text, kill_busiest, make_requests, run_requests, wait_for
+
+
+def assert_exact(results) -> None:
+    bad = [(r.idx, r.status, r.error) for r in results if not r.ok]
+    assert bad == [], f"client-visible errors: {bad[:5]}"
+    wrong = [r.idx for r in results if r.text != expected_text(r)]
+    assert wrong == [], f"outputs differ from the no-failure run: {wrong[:10]}"
+
+
+async def test_kill_busiest_worker_mid_generation(cluster_factory) -> None:
+    c = cluster_factory(workers=3, mode="stop_restart")
+    reqs = make_requests(60, seed=11)
+    load = asyncio.create_task(run_requests(c.url, reqs))
+    killed = await kill_busiest(c.url, "kill", min_running=10)
+    results = await load
+    assert_exact(results)
+
+    sessions = await admin(c.url, "GET", "/admin/sessions")
+    interrupted = [i for i in sessions["interrupted"] if i["worker"] == killed["worker"]]
+    assert len(interrupted) >= 10, "the busiest worker's requests must have been interrupted and resumed"
+    assert all(i["resumed_on"] not in (None, killed["worker"]) for i in interrupted)
+    events = await admin(c.url, "GET", "/admin/events")
+    failed = [e for e in events if e["worker"] == killed["worker"] and e["to"] == "FAILED"]
+    assert failed and failed[0]["t"] - killed["at"] < 1.0
+    # the supervisor restarts it as a new incarnation, which rejoins after its modelled load time
+    old_inc = killed["victim"]["incarnation"]
+    await wait_for(
+        c.url,
+        lambda ws: any(
+            w["id"] == killed["worker"] and w["state"] == "HEALTHY" and w["incarnation"] > old_inc for w in ws
+        ),
+        30,
+        "the killed worker to rejoin",
+    )
+
+
+async def test_hung_worker_is_fenced_and_its_zombie_tokens_never_reach_clients(cluster_factory) -> None:
+    c = cluster_factory(workers=3, mode="stop_restart")
+    reqs = make_requests(30, seed=12)
+    load = asyncio.create_task(run_requests(c.url, reqs))
+    hung = await kill_busiest(c.url, "hang", min_running=5)
+    wid = hung["worker"]
+    await wait_for(c.url, lambda ws: any(w["id"] == wid and w["state"] == "FAILED" for w in ws), 10, "FAILED")
+    await asyncio.sleep(0.3)
+    # wake the zombie while the replays are still streaming: it must not leak into any client stream
+    await admin(c.url, "POST", f"/admin/workers/{wid}/kill?mode=resume")
+    results = await load
+    assert_exact(results)
+    # the zombie learns it was fenced, resets, and re-attaches as a new incarnation
+    await wait_for(
+        c.url,
+        lambda ws: any(
+            w["id"] == wid and w["state"] == "HEALTHY" and w["incarnation"] > hung["victim"]["incarnation"]
+            for w in ws
+        ),
+        20,
+        "the zombie to re-attach",
+    )
+
+
+async def test_second_failure_during_replay(cluster_factory) -> None:
+    c = cluster_factory(workers=3, mode="stop_restart", **{"cluster.restart_killed": False})
+    reqs = make_requests(30, seed=13, min_out=120, max_out=200)
+    load = asyncio.create_task(run_requests(c.url, reqs))
+    first = await kill_busiest(c.url, "kill", min_running=5)
+    await asyncio.sleep(0.4)  # replays are now streaming on the survivors
+    second = await kill_busiest(c.url, "kill", min_running=1)
+    assert second["worker"] != first["worker"]
+    results = await load
+    assert_exact(results)
+    sessions = await admin(c.url, "GET", "/admin/sessions")
+    twice = {i["rid"] for i in sessions["interrupted"] if i["worker"] == second["worker"]} & {
+        i["rid"] for i in sessions["interrupted"] if i["worker"] == first["worker"]
+    }
+    assert twice, "some request should have been interrupted by both failures"
+
+
+async def test_all_workers_dead_gives_a_clear_error_not_a_hang(cluster_factory) -> None:
+    c = cluster_factory(
+        workers=2, mode="stop_restart", **{"cluster.restart_killed": False, "recovery.no_worker_wait_s": 1.0}
+    )
+    reqs = make_requests(8, seed=14, min_out=150, max_out=200)
+    load = asyncio.create_task(run_requests(c.url, reqs))
+    await kill_busiest(c.url, "kill", min_running=1)
+    await kill_busiest(c.url, "kill", min_running=1)
+    results = await asyncio.wait_for(load, 15)
+    assert all(not r.ok for r in results)
+    assert all("no healthy worker" in (r.error or "") for r in results), [r.error for r in results]
+    async with __import__("aiohttp").ClientSession() as http:
+        async with http.get(c.url + "/health") as resp:
+            assert resp.status == 503
+        async with http.post(
+            c.url + "/v1/completions", json={"model": "lumen-synthetic", "prompt": "hi"}
+        ) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "no_healthy_worker"
+
+
+async def test_mode_none_surfaces_the_failure(cluster_factory) -> None:
+    c = cluster_factory(workers=3, mode="none")
+    reqs = make_requests(30, seed=15)
+    load = asyncio.create_task(run_requests(c.url, reqs))
+    killed = await kill_busiest(c.url, "kill", min_running=5)
+    results = await load
+    failed = [r for r in results if not r.ok]
+    assert failed, "mode 'none' must pass the failure to the client"
+    assert all("recovery mode is 'none'" in (r.error or "") for r in failed)
+    # requests on the survivors are untouched
+    assert all(r.text == expected_text(r) for r in results if r.ok)
+    assert len(failed) <= killed["victim"]["running"] + killed["victim"]["waiting"] + 2
