@@ -1,0 +1,6 @@
+"""Lumen's own worker: an SGLang-compatible server over a continuous-batching engine.
+
+Modules: `synthetic` (the deterministic model and `expected_output`), `pages` (paged KV accounting),
+`scheduler` (step composition), `engine` (the real-time step loop), `server` and `info` (HTTP),
+`metrics`, `worker` (`start_worker`, in-process), `__main__` (the process entry point).
+"""

@@ -1,0 +1,267 @@
+"""The control-plane agent against a tiny in-test gateway (a real grpc.aio server on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.protocol import control_pb2 as pb
+from gateway.protocol.control_pb2_grpc import ControlServicer, add_ControlServicer_to_server
+from gateway.protocol.generate import GenerateRequest, SamplingParams
+from gateway.protocol.launch import EngineSpec, encode_spec
+from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
+from worker_hooks.engine.worker import Worker, start_worker
+
+
+@dataclass
+class Session:
+    hello: pb.Hello
+    heartbeats: list[pb.Heartbeat] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # loop time of each heartbeat
+    outbox: asyncio.Queue[pb.GatewayMessage | None] = field(default_factory=asyncio.Queue)
+
+
+class FakeGateway(ControlServicer):
+    """Answers each Attach by the next entry of `script` ("welcome", "refuse", "bad-version"), then
+    relays `session.outbox` to the worker; putting None there ends the stream."""
+
+    def __init__(self, script: list[str], heartbeat_ms: int = 20) -> None:
+        self.script = list(script)
+        self.heartbeat_ms = heartbeat_ms
+        self.sessions: list[Session] = []
+        self.new_session = asyncio.Condition()
+
+    async def Attach(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        session = Session(hello=first.hello)
+        async with self.new_session:
+            self.sessions.append(session)
+            self.new_session.notify_all()
+        action = self.script.pop(0) if self.script else "welcome"
+        inc = session.hello.incarnation
+        if action == "refuse":
+            await context.write(pb.GatewayMessage(incarnation=inc, refuse=pb.Refuse(reason="bad token")))
+            return
+        version = CONTROL_PROTOCOL_VERSION + (1 if action == "bad-version" else 0)
+        welcome = pb.Welcome(
+            protocol_version=version, gateway_id="gw-test", heartbeat_interval_ms=self.heartbeat_ms
+        )
+        await context.write(pb.GatewayMessage(incarnation=inc, welcome=welcome))
+
+        async def reader() -> None:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    return
+                session.arrivals.append(asyncio.get_running_loop().time())
+                session.heartbeats.append(msg.heartbeat)
+
+        read_task = asyncio.create_task(reader())
+        try:
+            while (out := await session.outbox.get()) is not None:
+                await context.write(out)
+        finally:
+            read_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await read_task
+
+    async def wait_sessions(self, n: int, within: float = 5.0) -> Session:
+        async with asyncio.timeout(within), self.new_session:
+            await self.new_session.wait_for(lambda: len(self.sessions) >= n)
+        return self.sessions[n - 1]
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    script: list[str] | None = None, heartbeat_ms: int = 20
+) -> AsyncIterator[tuple[FakeGateway, str]]:
+    servicer = FakeGateway(script or [], heartbeat_ms)
+    server = grpc.aio.server()
+    add_ControlServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        for s in servicer.sessions:
+            s.outbox.put_nowait(None)
+        await server.stop(grace=None)
+
+
+def spec(address: str, **kw: Any) -> EngineSpec:
+    base: dict[str, Any] = {
+        "worker_id": "w-agent",
+        "control_address": address,
+        "control_token": "s3cret",
+        "model": "Qwen3-0.6B",
+        "time_scale": 0.01,
+        "failure_domain": "rack-7",
+        "ckpt_budget_bytes": 1 << 30,
+        "max_running_requests": 32,
+        "page_size": 16,
+    }
+    return EngineSpec(**(base | kw))
+
+
+async def wait_until(cond: Any, within: float = 5.0) -> None:
+    """Poll a condition on engine state (which has no event to wait on) until it holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not cond():
+        if loop.time() > deadline:
+            raise TimeoutError(f"condition not met within {within} s")
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def attached() -> AsyncIterator[tuple[FakeGateway, Worker]]:
+    async with gateway() as (gw, address), start_worker(spec(address)) as w:
+        await gw.wait_sessions(1)
+        yield gw, w
+
+
+async def test_hello_carries_the_worker_description(attached: tuple[FakeGateway, Worker]) -> None:
+    gw, w = attached
+    h = gw.sessions[0].hello
+    assert h.protocol_version == CONTROL_PROTOCOL_VERSION
+    assert (h.worker_id, h.incarnation, h.model, h.http_url) == (
+        "w-agent",
+        w.incarnation,
+        "Qwen3-0.6B",
+        w.url,
+    )
+    assert h.kv_capacity_tokens == w.engine.pool.capacity_tokens > 0
+    assert (h.page_size, h.max_running_requests, h.pid) == (16, 32, os.getpid())
+    assert (h.auth_token, h.failure_domain, h.ckpt_budget_bytes) == ("s3cret", "rack-7", 1 << 30)
+    assert h.phase == pb.SERVING
+    assert w.agent is not None
+    await asyncio.wait_for(w.agent.attached.wait(), 5)
+    assert w.agent.gateway_id == "gw-test"
+
+
+async def test_heartbeats_arrive_at_roughly_the_interval_and_report_load(
+    attached: tuple[FakeGateway, Worker],
+) -> None:
+    gw, w = attached
+    session = gw.sessions[0]
+    await asyncio.sleep(0.5)
+    beats = list(session.heartbeats)
+    assert 8 <= len(beats) <= 40  # 20 ms interval: ~25 expected; generous for a loaded CI box
+    assert [b.seq for b in beats] == list(range(1, len(beats) + 1))
+    assert all(b.phase == pb.SERVING for b in beats)
+    assert beats[-1].running == 0 and beats[-1].completed_total == 0
+
+    # the agent reads the same engine: finished requests show up in the heartbeats
+    handle = w.engine.submit(
+        GenerateRequest(rid="hb", input_ids=[1, 2, 3], sampling_params=SamplingParams(5))
+    )
+    while (await handle.next()).finish is None:
+        pass
+    await wait_until(lambda: session.heartbeats[-1].completed_total == 1)
+
+
+async def test_heartbeats_stay_on_time_while_the_engine_is_busy(attached: tuple[FakeGateway, Worker]) -> None:
+    gw, w = attached
+    session = gw.sessions[0]
+    prompt = [j % 250 for j in range(500)]
+    # admission reserves prompt + max_new_tokens of KV: 60 x 5500 tokens fit in this worker
+    params = SamplingParams(max_new_tokens=5000, temperature=1.0)
+    for i in range(60):
+        w.engine.submit(GenerateRequest(rid=f"busy{i}", input_ids=prompt, sampling_params=params))
+    start = len(session.arrivals)
+    steps = w.engine.stats().steps_total
+    await asyncio.sleep(0.5)
+    assert w.engine.stats().steps_total - steps > 50  # the engine really was stepping meanwhile
+    times = session.arrivals[start:]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(times) >= 10 and max(gaps) < 0.15, gaps
+    last = session.heartbeats[-1]  # max_running_requests is 32 in this spec
+    assert (last.running, last.waiting) == (32, 28) and last.kv_tokens_used > 32 * 500
+
+
+async def test_stream_end_resets_the_incarnation_and_reattaches(attached: tuple[FakeGateway, Worker]) -> None:
+    gw, w = attached
+    old = w.incarnation
+    slow = w.engine.submit(
+        GenerateRequest(rid="inflight", input_ids=[1] * 8, sampling_params=SamplingParams(10**5))
+    )
+    gw.sessions[0].outbox.put_nowait(None)  # the gateway ends the stream (e.g. declared us failed)
+    second = await gw.wait_sessions(2)
+    assert second.hello.incarnation == w.incarnation > old
+    while (e := await slow.next()).finish is None:
+        pass
+    assert e.finish.type == "abort" and w.engine.pool.used_pages == 0
+    await wait_until(lambda: len(second.heartbeats) >= 2)
+
+
+async def test_refuse_is_logged_and_retried_with_a_new_incarnation() -> None:
+    async with gateway(["refuse", "welcome"]) as (gw, address), start_worker(spec(address)) as w:
+        first = await gw.wait_sessions(1)
+        second = await gw.wait_sessions(2)
+        assert second.hello.incarnation > first.hello.incarnation
+        assert w.agent is not None and w.agent.refusals == 1
+        await asyncio.wait_for(w.agent.attached.wait(), 5)
+        await wait_until(lambda: len(second.heartbeats) >= 1)
+
+
+async def test_wrong_control_protocol_version_ends_the_session() -> None:
+    async with gateway(["bad-version", "welcome"]) as (gw, address), start_worker(spec(address)):
+        first = await gw.wait_sessions(1)
+        second = await gw.wait_sessions(2)
+        assert not first.heartbeats and second.hello.incarnation > first.hello.incarnation
+
+
+async def test_messages_for_another_incarnation_are_dropped(attached: tuple[FakeGateway, Worker]) -> None:
+    gw, w = attached
+    session = gw.sessions[0]
+    inc = session.hello.incarnation
+    session.outbox.put_nowait(pb.GatewayMessage(incarnation=inc - 1, drain=pb.Drain()))
+    session.outbox.put_nowait(
+        pb.GatewayMessage(incarnation=inc, drop_checkpoint=pb.DropCheckpoint(rids=["x"]))
+    )
+    await asyncio.sleep(0.1)
+    assert w.engine.phase.value == "SERVING"
+    session.outbox.put_nowait(pb.GatewayMessage(incarnation=inc, drain=pb.Drain()))
+    await wait_until(lambda: bool(session.heartbeats) and session.heartbeats[-1].phase == pb.DRAINING)
+    assert w.incarnation == inc  # commands do not end the session
+
+
+async def test_unreachable_gateway_is_retried_without_resetting() -> None:
+    async with gateway() as (_, address):
+        pass  # the port is closed again
+    async with start_worker(spec(address)) as w:
+        inc = w.incarnation
+        await asyncio.sleep(0.3)
+        assert w.agent is not None and w.agent.sessions == 0 and w.incarnation == inc
+
+
+async def test_worker_process_attaches_under_uvloop() -> None:
+    async with gateway() as (gw, address):
+        text = encode_spec(spec(address, log_level="error"))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker_hooks.engine", "--spec", text,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+            session = await gw.wait_sessions(1, within=20)
+            assert session.hello.http_url == line["url"] and session.hello.incarnation == line["incarnation"]
+            await wait_until(lambda: len(session.heartbeats) >= 3)
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

@@ -1,0 +1,111 @@
+"""Run one worker: `python -m worker_hooks.engine --spec '<EngineSpec JSON>'` (or `--spec-file PATH`).
+
+On start it prints one JSON line to stdout, `{"event": "listening", "worker_id", "url", "incarnation"}`,
+so a supervisor can learn the bound port; logs go to stderr. SIGTERM/SIGINT shut it down cleanly.
+When started by a supervisor that sets LUMEN_PARENT_PID, the worker also shuts down once that parent
+is gone, so a crashed gateway leaves no orphan workers behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+import structlog
+import uvloop
+
+from gateway.protocol.launch import EngineSpec, decode_spec
+from worker_hooks.engine.worker import start_worker
+
+
+def configure_logging(level: str) -> None:
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+PARENT_POLL_S = 0.5
+
+
+async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    """Set `stop` once we are re-parented (the parent died); there is no event for that, so poll."""
+    while os.getppid() == parent_pid:
+        try:
+            await asyncio.wait_for(stop.wait(), PARENT_POLL_S)
+            return
+        except TimeoutError:
+            pass
+    structlog.get_logger(__name__).warning("parent process gone", parent_pid=parent_pid)
+    stop.set()
+
+
+async def serve(spec: EngineSpec) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.environ.get("LUMEN_PARENT_PID", "")
+    watchdog = asyncio.create_task(watch_parent(int(parent), stop)) if parent.isdigit() else None
+    try:
+        async with start_worker(spec) as worker:
+            line = {
+                "event": "listening",
+                "worker_id": worker.worker_id,
+                "url": worker.url,
+                "incarnation": worker.incarnation,
+            }
+            sys.stdout.write(json.dumps(line) + "\n")
+            sys.stdout.flush()
+            await stop.wait()
+            structlog.get_logger(__name__).info("shutting down", worker_id=worker.worker_id)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
+
+
+def parse_spec(argv: list[str] | None) -> EngineSpec:
+    parser = argparse.ArgumentParser(prog="python -m worker_hooks.engine", description=__doc__)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--spec", help="EngineSpec as JSON")
+    group.add_argument("--spec-file", type=Path, help="file holding the EngineSpec JSON")
+    args = parser.parse_args(argv)
+    text = args.spec if args.spec is not None else args.spec_file.read_text()
+    try:
+        spec = decode_spec(text)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        parser.error(f"invalid EngineSpec: {exc}")
+    if spec.log_level.upper() not in logging.getLevelNamesMapping():
+        parser.error(f"invalid EngineSpec: unknown log_level {spec.log_level!r}")
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = parse_spec(argv)
+    configure_logging(spec.log_level)
+    try:
+        uvloop.run(serve(spec))
+    except (ValueError, KeyError, OSError) as exc:
+        # a spec the engine cannot run (unknown preset, bad capacity) or a port it cannot bind
+        structlog.get_logger(__name__).error("worker failed to start", error=str(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

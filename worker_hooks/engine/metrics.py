@@ -1,0 +1,71 @@
+"""Prometheus metrics for one worker: SGLang's names for what SGLang also reports, `lumen_*` for the rest.
+
+Values are read from the engine at scrape time by a collector registered in a per-worker registry
+(no process-global metrics), so several in-process workers never mix their numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.core.health import Phase
+from worker_hooks.engine.engine import Engine
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine
+        s = engine.stats()
+        labels = ["model_name"]
+        model = [engine.spec.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(model, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(model, value)
+            return c
+
+        yield gauge("sglang:num_running_reqs", "The number of running requests.", s.running)
+        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", s.waiting)
+        yield gauge("sglang:num_used_tokens", "The number of used KV tokens.", s.kv_tokens_used)
+        yield gauge(
+            "sglang:token_usage",
+            "The token usage (KV tokens used / capacity).",
+            s.kv_tokens_used / s.kv_capacity_tokens if s.kv_capacity_tokens else 0.0,
+        )
+        yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total)
+        yield counter("sglang:generation_tokens", "Number of generation tokens.", s.generated_tokens_total)
+        yield counter("sglang:num_requests", "Number of requests processed.", s.completed_total)
+
+        yield counter("lumen_requests", "Requests accepted by this worker.", s.requests_total)
+        yield counter("lumen_completed_requests", "Requests that finished normally.", s.completed_total)
+        yield counter(
+            "lumen_aborted_requests", "Requests aborted (abort, disconnect, reset).", s.aborted_total
+        )
+        yield counter("lumen_engine_steps", "Engine steps executed.", s.steps_total)
+        yield gauge("lumen_kv_pages_used", "KV pages held by requests.", s.kv_pages_used)
+        yield gauge("lumen_kv_capacity_tokens", "KV capacity of this worker in tokens.", s.kv_capacity_tokens)
+        yield gauge(
+            "lumen_incarnation", "This worker's incarnation (microseconds since the epoch).", s.incarnation
+        )
+        phase = GaugeMetricFamily("lumen_phase", "1 for the phase the worker is in.", labels=["phase"])
+        for p in Phase:
+            phase.add_metric([p.value], 1.0 if p is s.phase else 0.0)
+        yield phase
+
+
+def make_registry(engine: Engine) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine))
+    return registry

@@ -1,0 +1,207 @@
+"""Continuous batching: what one engine step prefills and decodes, and which tokens it produces.
+
+Pure and synchronous: the engine shell calls `step()`, sleeps for the modelled time of the returned
+`StepWork`, then delivers the emissions. Policy, as in SGLang with mixed chunked prefill:
+- the waiting queue is FCFS; its head is admitted while fewer than `max_running` requests run, the
+  step still has prefill budget, and the KV pool can reserve the request's worst case
+  (prompt + max_new_tokens), so decode never runs out of pages and nothing is ever preempted;
+- at most `chunked_prefill_size` prompt tokens are prefilled per step, requests already part-way
+  through their prompt first; a long prompt spans several steps;
+- every request that was decoding at the start of the step decodes one token; the step that
+  completes a prompt also yields that request's first token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from gateway.core.costmodel import StepWork
+from gateway.protocol.generate import FinishReason, SamplingParams
+from worker_hooks.engine.pages import PagePool, pages_for
+from worker_hooks.engine.synthetic import Sampler, SyntheticModel, finish_of, mix64
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    """One request inside the engine. `state` is the context hash over prompt[:prefilled] + output."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    reserve_pages: int
+    state: int
+    prefilled: int = 0
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def context_len(self) -> int:
+        return self.prefilled + len(self.output)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Emission:
+    """What one step produced for one request: new ids, and the finish reason on the last one."""
+
+    rid: str
+    new_ids: list[int]
+    completion_tokens: int
+    finish: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    work: StepWork
+    emissions: list[Emission]
+
+    @property
+    def empty(self) -> bool:
+        return not self.work.prefill and not self.work.decode_contexts
+
+
+class Scheduler:
+    def __init__(
+        self, model: SyntheticModel, pool: PagePool, *, max_running: int, chunked_prefill_size: int
+    ) -> None:
+        if max_running < 1 or chunked_prefill_size < 1:
+            raise ValueError(
+                f"need max_running >= 1 and chunked_prefill_size >= 1, got "
+                f"{max_running} and {chunked_prefill_size}"
+            )
+        self.model = model
+        self.pool = pool
+        self.max_running = max_running
+        self.chunked_prefill_size = chunked_prefill_size
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []  # in admission order
+        self._by_rid: dict[str, Seq] = {}
+        self.completed_total = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def make_seq(self, rid: str, prompt: list[int], params: SamplingParams, seed_base: int = 0) -> Seq:
+        return Seq(
+            rid=rid,
+            prompt=prompt,
+            params=params,
+            sampler=Sampler.from_params(params, seed_base),
+            stop_ids=frozenset(params.stop_token_ids),
+            reserve_pages=pages_for(len(prompt) + max(params.max_new_tokens, 0), self.pool.page_size),
+            state=self.model.initial_state(),
+        )
+
+    def fits_ever(self, seq: Seq) -> bool:
+        """Whether the request could be admitted into an otherwise empty engine."""
+        return seq.reserve_pages <= self.pool.total_pages
+
+    def add(self, seq: Seq) -> None:
+        if seq.rid in self._by_rid:
+            raise ValueError(f"duplicate request id {seq.rid!r}")
+        self._by_rid[seq.rid] = seq
+        self.waiting.append(seq)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._by_rid
+
+    def abort(self, rid: str) -> Seq | None:
+        """Remove a request wherever it is and free its pages."""
+        seq = self._by_rid.pop(rid, None)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.free(rid)
+        else:
+            self.waiting.remove(seq)
+        return seq
+
+    def rids(self) -> list[str]:
+        return list(self._by_rid)
+
+    # -- stats ----------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def kv_tokens_used(self) -> int:
+        return sum(s.context_len for s in self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        decoding = [s for s in self.running if not s.prefilling]
+        decode_contexts = [s.context_len for s in decoding]
+        prefill: list[tuple[int, int]] = []
+        emissions: list[Emission] = []
+        finished: list[Seq] = []
+        budget = self.chunked_prefill_size
+
+        for seq in [s for s in self.running if s.prefilling]:
+            if budget == 0:
+                break
+            budget -= self._prefill(seq, budget, prefill, emissions, finished)
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_running
+            and self.pool.can_allocate(self.waiting[0].reserve_pages)
+        ):
+            seq = self.waiting.popleft()
+            self.pool.allocate(seq.rid, 0, reserve=seq.reserve_pages)
+            self.running.append(seq)
+            budget -= self._prefill(seq, budget, prefill, emissions, finished)
+
+        for seq in decoding:
+            self._emit_token(seq, emissions, finished)
+
+        for seq in finished:
+            self.running.remove(seq)
+            self.pool.free(seq.rid)
+            del self._by_rid[seq.rid]
+            self.completed_total += 1
+        return StepResult(StepWork(prefill=prefill, decode_contexts=decode_contexts), emissions)
+
+    def _prefill(
+        self,
+        seq: Seq,
+        budget: int,
+        prefill: list[tuple[int, int]],
+        emissions: list[Emission],
+        finished: list[Seq],
+    ) -> int:
+        start = seq.prefilled
+        n = min(budget, len(seq.prompt) - start)
+        h = seq.state
+        for t in seq.prompt[start : start + n]:
+            h = mix64(h ^ t)
+        seq.state = h
+        seq.prefilled = start + n
+        prefill.append((n, start))
+        self.pool.grow_to(seq.rid, pages_for(seq.context_len, self.pool.page_size))
+        if not seq.prefilling:
+            if seq.params.max_new_tokens <= 0:
+                emissions.append(Emission(seq.rid, [], 0, FinishReason(type="length", length=0)))
+                finished.append(seq)
+            else:
+                self._emit_token(seq, emissions, finished)
+        return n
+
+    def _emit_token(self, seq: Seq, emissions: list[Emission], finished: list[Seq]) -> None:
+        token = self.model.next_token(seq.state, seq.context_len, seq.sampler)
+        seq.output.append(token)
+        seq.state = mix64(seq.state ^ token)
+        self.pool.grow_to(seq.rid, pages_for(seq.context_len, self.pool.page_size))
+        n_out = len(seq.output)
+        kind = finish_of(token, n_out, seq.params, seq.stop_ids)
+        finish = None
+        if kind == "length":
+            finish = FinishReason(type="length", length=seq.params.max_new_tokens)
+        elif kind == "stop":
+            finish = FinishReason(type="stop", matched=token)
+        emissions.append(Emission(seq.rid, [token], n_out, finish))
+        if finish is not None:
+            finished.append(seq)

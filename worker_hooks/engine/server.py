@@ -1,0 +1,144 @@
+"""The worker's HTTP data API: SGLang's native `/generate` subset plus health and abort (DESIGN 4.2).
+
+Streams send one SSE chunk per engine step carrying only that step's new ids (SGLang's
+`--incremental-streaming-output`), the finish reason on the last chunk, then `data: [DONE]`.
+A request whose client goes away is aborted in the engine, so its KV pages are freed at once.
+Discovery, load and metrics endpoints live in info.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from gateway.core.health import Phase
+from gateway.protocol.generate import (
+    SSE_DONE,
+    AbortRequest,
+    GenerateChunk,
+    MetaInfo,
+    encode,
+    encode_sse_chunk,
+    request_decoder,
+)
+from worker_hooks.engine.engine import Engine, RequestHandle
+from worker_hooks.engine.errors import EngineError, InvalidRequest
+from worker_hooks.engine.scheduler import Emission
+
+if TYPE_CHECKING:
+    from worker_hooks.engine.worker import Worker
+
+log = structlog.get_logger(__name__)
+
+WORKER: web.AppKey[Worker] = web.AppKey("worker")
+_abort_decoder = msgspec.json.Decoder(AbortRequest)
+
+
+def error_response(exc: EngineError) -> web.Response:
+    return web.Response(status=exc.status, body=encode(exc.body()), content_type="application/json")
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=encode(obj), content_type="application/json")
+
+
+def _chunk(engine: Engine, handle: RequestHandle, e: Emission, output_ids: list[int]) -> GenerateChunk:
+    return GenerateChunk(
+        output_ids=output_ids,
+        meta_info=MetaInfo(
+            id=handle.rid,
+            prompt_tokens=handle.prompt_tokens,
+            completion_tokens=e.completion_tokens,
+            cached_tokens=0,
+            finish_reason=e.finish,
+            worker_id=engine.worker_id,
+            incarnation=handle.incarnation,
+        ),
+    )
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = request.app[WORKER].engine
+    body = await request.read()
+    try:
+        req = request_decoder.decode(body)
+        handle = engine.submit(req)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return error_response(InvalidRequest(f"invalid /generate body: {exc}"))
+    except EngineError as exc:
+        return error_response(exc)
+    try:
+        if req.stream:
+            return await _stream(request, engine, handle)
+        return await _unary(engine, handle)
+    finally:
+        # the client went away (handler cancelled or write failed) before the request finished
+        if not handle.finished:
+            engine.abort(handle.rid, "client disconnected")
+
+
+async def _stream(request: web.Request, engine: Engine, handle: RequestHandle) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    try:
+        await resp.prepare(request)
+        while True:
+            e: Emission | None = await handle.next()
+            # coalesce whatever else is already queued into one write; still one chunk per step
+            data = bytearray()
+            while e is not None:
+                data += encode_sse_chunk(_chunk(engine, handle, e, e.new_ids))
+                if e.finish is not None:
+                    break
+                e = handle.next_nowait()
+            if e is not None and e.finish is not None:
+                data += SSE_DONE
+                await resp.write(bytes(data))
+                break
+            await resp.write(bytes(data))
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.info("client disconnected", rid=handle.rid)
+    return resp
+
+
+async def _unary(engine: Engine, handle: RequestHandle) -> web.Response:
+    output: list[int] = []
+    while True:
+        e = await handle.next()
+        output.extend(e.new_ids)
+        if e.finish is not None:
+            # GenerateChunk omits its defaults; SGLang's unary response always carries `text`
+            result = msgspec.to_builtins(_chunk(engine, handle, e, output))
+            result["text"] = ""
+            return json_response(result)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    engine = request.app[WORKER].engine
+    try:
+        req = _abort_decoder.decode(await request.read())
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return error_response(InvalidRequest(f"invalid /abort_request body: {exc}"))
+    if not req.rid:
+        return error_response(InvalidRequest("rid must be a non-empty prefix"))
+    aborted = engine.abort_prefix(req.rid)
+    log.info("abort_request", prefix=req.rid, aborted=len(aborted))
+    return json_response({"aborted": aborted})
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[WORKER].engine
+    if engine.phase is Phase.SERVING:
+        return web.Response(status=200)
+    return web.Response(status=503, text=engine.phase.value)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_put("/generate", generate)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
