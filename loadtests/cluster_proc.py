@@ -100,6 +100,8 @@ class ClusterProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self._stderr.close()
         return self.proc.returncode
 

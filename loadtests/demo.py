@@ -38,7 +38,7 @@ def make_workload(n: int, rate: float, seed: int) -> Workload:
     results, gaps = [], []
     for i in range(n):
         plen = int(min(1500, max(8, rnd.lognormvariate(5.0, 0.8))))
-        olen = int(min(200, max(8, rnd.lognormvariate(3.9, 0.6))))
+        olen = int(min(300, max(8, rnd.lognormvariate(4.8, 0.5))))
         greedy = i % 2 == 0
         results.append(
             RequestResult(

@@ -97,13 +97,15 @@ async def wait_for(url: str, pred: Any, timeout_s: float = 30.0, what: str = "co
     raise AssertionError(f"timed out waiting for {what}: {ws}")
 
 
-async def kill_busiest(url: str, mode: str = "kill", min_running: int = 1) -> dict[str, Any]:
-    """Wait until some worker runs >= min_running requests, then kill the busiest."""
-    ws = await wait_for(
-        url, lambda ws: any(w["running"] >= min_running for w in ws if w["state"] == "HEALTHY"), 20, "load"
-    )
-    busiest = max(
-        (w for w in ws if w["state"] == "HEALTHY"), key=lambda w: (w["running"] + w["waiting"], w["id"])
-    )
+async def kill_busiest(
+    url: str, mode: str = "kill", min_running: int = 1, exclude: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Wait until some worker (not in `exclude`) runs >= min_running requests, then kill the busiest."""
+
+    def candidates(ws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [w for w in ws if w["state"] == "HEALTHY" and w["id"] not in exclude]
+
+    ws = await wait_for(url, lambda ws: any(w["running"] >= min_running for w in candidates(ws)), 20, "load")
+    busiest = max(candidates(ws), key=lambda w: (w["running"] + w["waiting"], w["id"]))
     res = await admin(url, "POST", f"/admin/workers/{busiest['id']}/kill?mode={mode}")
     return {**res, "victim": busiest}
