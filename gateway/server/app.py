@@ -29,6 +29,8 @@ from gateway.server.tokenizer import make_tokenizer
 
 log = structlog.get_logger("lumen.gateway")
 
+FAULT_MODES = ("kill", "hang", "resume", "stall", "unstall", "term")
+
 
 class FaultInjector(Protocol):
     """Implemented by the local cluster supervisor: what `/admin/workers/{id}/kill` calls."""
@@ -175,8 +177,8 @@ class Gateway:
         mode = request.query.get("mode", "kill")
         if self.fault_injector is None:
             raise NotFound("fault injection is only available on a local cluster (`lumen cluster up`)")
-        if mode not in ("kill", "hang", "resume", "term"):
-            raise InvalidRequest(f"mode must be kill, hang, resume or term, not {mode!r}", param="mode")
+        if mode not in FAULT_MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(FAULT_MODES)}, not {mode!r}", param="mode")
         result = await self.fault_injector.kill(wid, mode)
         # on the same clock as /admin/events, so detection latency can be read off
         result["at"] = round(time.monotonic() - self.started_at, 4)

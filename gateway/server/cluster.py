@@ -26,6 +26,18 @@ from gateway.server.errors import NotFound
 log = structlog.get_logger("lumen.cluster")
 
 
+# kill: kill -9; hang: the whole process freezes (heartbeats stop); stall: only the engine loop
+# freezes (heartbeats go on: a gray failure); resume / unstall undo them; term: graceful stop
+FAULT_SIGNALS = {
+    "kill": signal.SIGKILL,
+    "hang": signal.SIGSTOP,
+    "resume": signal.SIGCONT,
+    "stall": signal.SIGUSR1,
+    "unstall": signal.SIGUSR2,
+    "term": signal.SIGTERM,
+}
+
+
 @dataclass(slots=True)
 class WorkerProcess:
     spec: EngineSpec
@@ -123,12 +135,7 @@ class LocalCluster:
         wp = self.workers.get(worker_id)
         if wp is None or wp.proc is None:
             raise NotFound(f"no local worker {worker_id!r}; known: {', '.join(sorted(self.workers))}")
-        sig = {
-            "kill": signal.SIGKILL,
-            "hang": signal.SIGSTOP,
-            "resume": signal.SIGCONT,
-            "term": signal.SIGTERM,
-        }[mode]
+        sig = FAULT_SIGNALS[mode]
         pid = wp.proc.pid
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)

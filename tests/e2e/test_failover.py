@@ -90,7 +90,9 @@ async def test_all_workers_dead_gives_a_clear_error_not_a_hang(cluster_factory) 
     first = await kill_busiest(c.url, "kill", min_running=1)
     await kill_busiest(c.url, "kill", min_running=1, exclude=(first["worker"],))
     results = await asyncio.wait_for(load, 15)
-    assert all(not r.ok for r in results), [(r.idx, r.ok, r.error, len(r.text), r.max_tokens) for r in results]
+    assert all(not r.ok for r in results), [
+        (r.idx, r.ok, r.error, len(r.text), r.max_tokens) for r in results
+    ]
     assert all("no healthy worker" in (r.error or "") for r in results), [r.error for r in results]
     async with __import__("aiohttp").ClientSession() as http:
         async with http.get(c.url + "/health") as resp:
@@ -114,3 +116,20 @@ async def test_mode_none_surfaces_the_failure(cluster_factory) -> None:
     # requests on the survivors are untouched
     assert all(r.text == expected_text(r) for r in results if r.ok)
     assert len(failed) <= killed["victim"]["running"] + killed["victim"]["waiting"] + 2
+
+
+async def test_stalled_engine_with_live_heartbeats_is_caught_by_the_stall_timeout(cluster_factory) -> None:
+    # the engine loop freezes but the agent keeps heartbeating: only the per-chunk stall timeout sees it
+    c = cluster_factory(workers=3, mode="stop_restart", **{"recovery.stall_timeout_s": 0.5})
+    reqs = make_requests(30, seed=16)
+    load = asyncio.create_task(run_requests(c.url, reqs))
+    stalled = await kill_busiest(c.url, "stall", min_running=5)
+    results = await load
+    assert_exact(results)
+    sessions = await admin(c.url, "GET", "/admin/sessions")
+    mine = [i for i in sessions["interrupted"] if i["worker"] == stalled["worker"]]
+    assert mine and all(i["reason"].startswith("stall") for i in mine)
+    assert all(i["resumed_on"] != stalled["worker"] for i in mine)
+    workers = {w["id"]: w for w in await admin(c.url, "GET", "/admin/workers")}
+    assert workers[stalled["worker"]]["state"] == "HEALTHY"  # heartbeats kept it alive: a gray failure
+    await admin(c.url, "POST", f"/admin/workers/{stalled['worker']}/kill?mode=unstall")

@@ -69,6 +69,9 @@ async def serve(spec: EngineSpec) -> None:
                 "url": worker.url,
                 "incarnation": worker.incarnation,
             }
+            # fault injection for gray failures: SIGUSR1 freezes the engine loop, SIGUSR2 resumes it
+            loop.add_signal_handler(signal.SIGUSR1, worker.engine.pause)
+            loop.add_signal_handler(signal.SIGUSR2, worker.engine.resume)
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
             await stop.wait()

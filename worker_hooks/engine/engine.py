@@ -98,6 +98,10 @@ class Engine:
         self.phase = Phase.LOADING_FULL if spec.restart else Phase.SERVING
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
+        # fault injection (gray failure): a paused engine stops stepping while the agent keeps
+        # heartbeating, so only the gateway's stall timeout can catch it
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self.requests_total = 0
@@ -117,6 +121,18 @@ class Engine:
         self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.worker_id}")
         if self.phase is Phase.LOADING_FULL:
             self._load_task = asyncio.create_task(self._load(), name=f"load-{self.worker_id}")
+
+    def pause(self) -> None:
+        """Freeze the step loop (fault injection: a hung engine whose process is still alive)."""
+        log.warning("engine paused (fault injection)", worker_id=self.worker_id)
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
 
     async def stop(self) -> None:
         """Abort every request (their streams end with an abort chunk) and stop the owned tasks."""
@@ -257,6 +273,9 @@ class Engine:
                 if not self.scheduler.has_work:
                     self._wake.clear()
                     await self._wake.wait()
+                    deadline = loop.time()
+                if not self._unpaused.is_set():
+                    await self._unpaused.wait()
                     deadline = loop.time()
                 result = self.scheduler.step()
                 if result.empty:
