@@ -83,11 +83,16 @@ class Gateway:
             recovery=self.config.recovery,
             load_params=self.load_params,
             metrics=self.metrics,
+            max_concurrent=self.config.limits.max_concurrent_requests,
         )
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         app = self.build_app()
         self._runner = web.AppRunner(
-            app, access_log=None, shutdown_timeout=self.config.timeouts.shutdown_grace_s
+            app,
+            access_log=None,
+            shutdown_timeout=self.config.timeouts.shutdown_grace_s,
+            # a client that goes away cancels its handler, which closes the worker stream (abort)
+            handler_cancellation=True,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, g.host, g.port)

@@ -23,7 +23,7 @@ from gateway.core.router import choose_worker
 from gateway.core.types import LoadParams
 from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams
 from gateway.server.config import RecoverySection
-from gateway.server.errors import NoWorkerAvailable, UpstreamFailed, UpstreamRejected
+from gateway.server.errors import NoWorkerAvailable, Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.jobs import GenerateJob, TokenDelta
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.monitor import LoadMonitor, WorkerRecord
@@ -88,8 +88,10 @@ class SessionManager:
         recovery: RecoverySection,
         load_params: LoadParams,
         metrics: GatewayMetrics,
+        max_concurrent: int = 8192,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.max_concurrent = max_concurrent
         self.monitor = monitor
         self.http = http
         self.recovery = recovery
@@ -101,6 +103,8 @@ class SessionManager:
         self.recent_interrupted: deque[Session] = deque(maxlen=2000)
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
+        if len(self.live) >= self.max_concurrent:
+            raise Overloaded(f"the gateway is at its limit of {self.max_concurrent} concurrent requests")
         seed = job.sampling.seed if job.sampling.seed is not None else secrets.randbits(63)
         session = Session(job=job, seed_base=seed, arrived=self.clock())
         self.live[job.rid] = session

@@ -133,3 +133,84 @@ async def test_stalled_engine_with_live_heartbeats_is_caught_by_the_stall_timeou
     workers = {w["id"]: w for w in await admin(c.url, "GET", "/admin/workers")}
     assert workers[stalled["worker"]]["state"] == "HEALTHY"  # heartbeats kept it alive: a gray failure
     await admin(c.url, "POST", f"/admin/workers/{stalled['worker']}/kill?mode=unstall")
+
+
+async def test_non_streaming_chat_and_completions_resume_identically(cluster_factory) -> None:
+    """Non-streamed chat and completions: outputs with a kill equal the outputs of a run without one."""
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    c = cluster_factory(workers=3, mode="stop_restart")
+
+    def bodies() -> list[tuple[str, dict[str, object]]]:
+        out: list[tuple[str, dict[str, object]]] = []
+        for i in range(24):
+            sampling = {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1000 + i}
+            if i % 3 == 0:
+                out.append(
+                    (
+                        "/v1/completions",
+                        {
+                            "model": "lumen-synthetic",
+                            "prompt": f"request {i} " * 20,
+                            "max_tokens": 150,
+                            **sampling,
+                        },
+                    )
+                )
+            else:
+                out.append(
+                    (
+                        "/v1/chat/completions",
+                        {
+                            "model": "lumen-synthetic",
+                            "max_tokens": 150,
+                            **sampling,
+                            "messages": [{"role": "user", "content": f"tell me {i}"}],
+                        },
+                    )
+                )
+        return out
+
+    async def run_all() -> list[str]:
+        async with aiohttp.ClientSession(c.url) as http:
+
+            async def one(path: str, body: dict[str, object]) -> str:
+                async with http.post(path, json=body) as r:
+                    data = await r.json()
+                    assert r.status == 200, data
+                choice = data["choices"][0]
+                assert choice["finish_reason"] == "length"
+                return choice["text"] if "text" in choice else choice["message"]["content"]
+
+            return list(await asyncio.gather(*(one(p, b) for p, b in bodies())))
+
+    reference = await run_all()
+    load = asyncio.create_task(run_all())
+    await kill_busiest(c.url, "kill", min_running=4)  # through the admin API, as the CLI does below
+    assert await load == reference
+    sessions = await admin(c.url, "GET", "/admin/sessions")
+    assert sessions["interrupted"], "the kill must have interrupted some non-streamed requests"
+    # the CLI's fault injection reaches the same endpoint
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "cluster",
+            "kill",
+            "--port",
+            str(c.port),
+            "w0",
+            "--mode",
+            "kill",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert '"worker": "w0"' in out.stdout

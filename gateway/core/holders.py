@@ -1,0 +1,149 @@
+"""Checkpoint holder placement: Algorithm 1 and the DéjàVu ring it is compared with (DESIGN 6).
+
+A holder receives a request's full KV pages in its host DRAM while the request is served elsewhere.
+Eligible holders are HEALTHY, are not the serving worker, and have room in their checkpoint budget
+(`ckpt_budget_bytes − ckpt_bytes ≥ need`; a budget of 0 means the worker holds nothing).
+
+Failure domains: the empty string means "not declared". An undeclared domain is never excluded and is
+never counted as "different", so clusters that declare no domains behave as if there were none.
+
+Many requests may be assigned between two heartbeats; the shell keeps them balanced by folding each
+tentative assignment into its view with `with_assignment` before choosing the next holder.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, replace
+
+from gateway.core.health import SERVING_STATES
+from gateway.core.load import estimated_load
+from gateway.core.modes import PLACEMENTS, Placement
+from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class HolderParams:
+    load: LoadParams = field(default_factory=LoadParams)
+    replicas: int = 1  # 2 survives the serving worker and one holder dying together
+    exclude_failure_domain: bool = False
+    placement: Placement = "load_aware"
+
+    def __post_init__(self) -> None:
+        if self.replicas not in (1, 2):
+            raise ValueError(f"replicas must be 1 or 2, got {self.replicas}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+
+def ring_key(worker: WorkerId) -> tuple[tuple[int, int, str], ...]:
+    """Natural id order for the ring ("w2" before "w10"); the raw id, last, breaks ties like "w01"/"w1".
+
+    The end marker sorts first, so an id comes before its extensions ("w" before "w0").
+    """
+    # re.split with a group puts the digit runs at the odd positions
+    parts = re.split(r"(\d+)", worker)
+    key = tuple((1, int(p), "") if i % 2 else (0, 0, p) for i, p in enumerate(parts) if p)
+    return (*key, (-1, 0, worker))
+
+
+def can_hold(w: WorkerView, need_bytes: int) -> bool:
+    """Whether w may take a checkpoint of `need_bytes` now: HEALTHY and within its budget."""
+    if w.state not in SERVING_STATES or w.ckpt_budget_bytes <= 0:
+        return False
+    return w.ckpt_budget_bytes - w.ckpt_bytes >= need_bytes
+
+
+def _same_domain(a: str, b: str) -> bool:
+    return a != "" and a == b
+
+
+def choose_holders(
+    view: ClusterView, serving: WorkerId, need_bytes: int, params: HolderParams
+) -> tuple[WorkerId, ...]:
+    """Up to `params.replicas` distinct holders for a request served by `serving` (empty: none fits).
+
+    `need_bytes` is what the checkpoint will occupy on each holder. The result does not depend on the
+    order of workers in the view.
+    """
+    return reassign_holders(view, serving, (), need_bytes, params)
+
+
+def reassign_holders(
+    view: ClusterView,
+    serving: WorkerId,
+    alive_holders: Collection[WorkerId],
+    need_bytes: int,
+    params: HolderParams,
+) -> tuple[WorkerId, ...]:
+    """The holders to ADD for a request whose holder(s) died, given those still alive.
+
+    Tops the request up to `params.replicas` holders (nothing when the live ones already suffice);
+    the new ones are chosen as in `choose_holders`, never among `alive_holders`, and in a different
+    failure domain from them when possible. A new holder starts the checkpoint from scratch, so
+    `need_bytes` is the request's whole current KV size.
+    """
+    if need_bytes < 0:
+        raise ValueError(f"need_bytes must be >= 0, got {need_bytes}")
+    count = params.replicas - len(set(alive_holders))
+    if count <= 0:
+        return ()
+    server = view.workers.get(serving)
+    banned_domain = server.failure_domain if server is not None and params.exclude_failure_domain else ""
+    candidates = [
+        w
+        for w in view.workers.values()
+        if w.id != serving
+        and w.id not in alive_holders
+        and can_hold(w, need_bytes)
+        and not _same_domain(w.failure_domain, banned_domain)
+    ]
+    if params.placement == "ring":
+        candidates = _ring_order(candidates, serving)
+    else:
+        candidates.sort(key=lambda w: (estimated_load(w, params.load), w.id))
+    taken_domains = {view.workers[h].failure_domain for h in alive_holders if h in view.workers}
+    return _pick(candidates, count, taken_domains)
+
+
+def _ring_order(candidates: Iterable[WorkerView], serving: WorkerId) -> list[WorkerView]:
+    """Candidates in ring order starting just after `serving` (which need not be in the view)."""
+    ordered = sorted(candidates, key=lambda w: ring_key(w.id))
+    start = ring_key(serving)
+    after = [w for w in ordered if ring_key(w.id) > start]
+    return after + [w for w in ordered if ring_key(w.id) <= start]
+
+
+def _pick(ranked: list[WorkerView], count: int, taken_domains: set[str]) -> tuple[WorkerId, ...]:
+    """The first `count` of `ranked`, each preferring a domain not yet used by a holder."""
+    chosen: list[WorkerId] = []
+    domains = set(taken_domains)
+    for _ in range(count):
+        rest = [w for w in ranked if w.id not in chosen]
+        if not rest:
+            break
+        fresh = [w for w in rest if not any(_same_domain(w.failure_domain, d) for d in domains)]
+        best = (fresh or rest)[0]
+        chosen.append(best.id)
+        domains.add(best.failure_domain)
+    return tuple(chosen)
+
+
+def with_assignment(view: ClusterView, holder: WorkerId, tokens: int, nbytes: int) -> ClusterView:
+    """`view` with a tentative checkpoint of `tokens`/`nbytes` added to `holder`'s store.
+
+    Negative amounts undo an assignment (a drop). The view is not changed; a new one is returned.
+    """
+    w = view.workers.get(holder)
+    if w is None:
+        raise ValueError(f"holder {holder!r} is not in the view")
+    ckpt_tokens, ckpt_bytes = w.ckpt_tokens + tokens, w.ckpt_bytes + nbytes
+    if ckpt_tokens < 0 or ckpt_bytes < 0:
+        raise ValueError(
+            f"holder {holder!r} would hold {ckpt_tokens} tokens / {ckpt_bytes} bytes (< 0) "
+            f"after adding {tokens} tokens / {nbytes} bytes"
+        )
+    workers = dict(view.workers)
+    workers[holder] = replace(w, ckpt_tokens=ckpt_tokens, ckpt_bytes=ckpt_bytes)
+    return ClusterView(workers)
