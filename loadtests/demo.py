@@ -182,7 +182,7 @@ def summarize(wl: Workload, out: dict[str, Any], mode: str) -> int:
             e for e in out["events"] if e["worker"] == wid and e["to"] == "HEALTHY" and e["from"] != "SUSPECT"
         ]
         det = (
-            f"{1000 * (failed[0]['t'] - killed['at']):.1f} ms ({failed[0]['reason']})"
+            f"{1000 * (failed[0]['t'] - killed['at']):.1f} ms ({failed[0]['reason'].split(':')[0]})"
             if failed
             else "not detected"
         )
