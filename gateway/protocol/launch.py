@@ -34,7 +34,15 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     restart: bool = False
     heartbeat_interval_ms: int = 20
     failure_domain: str = ""
-    ckpt_budget_bytes: int = 0
+    # checkpoint store (holder side) and sender (serving side), DESIGN 4.4
+    ckpt_budget_bytes: int = 0  # modelled bytes of host DRAM for other workers' KV pages
+    ckpt_eviction: str = "shortest_prefix_first"
+    ckpt_orphan_ttl_s: float = 600.0
+    # the synthetic backend sends real bytes = modelled bytes x this, so CPU tests stay small;
+    # budgets and reported bytes stay in modelled units
+    ckpt_payload_scale: float = 0.001
+    ckpt_frame_bytes: int = 1024 * 1024
+    ckpt_max_lag_bytes: int = 256 * 1024 * 1024
     draft_model: str = ""
     log_level: str = "info"
 

@@ -81,7 +81,12 @@ def worker_specs(config: Config, control_address: str, token_range: tuple[int, i
             model_load_s=None if e.model_load_s < 0 else e.model_load_s,
             heartbeat_interval_ms=config.health.heartbeat_interval_ms,
             failure_domain=f"d{i % cl.failure_domains}",
-            ckpt_budget_bytes=cl.worker_ckpt_budget_bytes,
+            ckpt_budget_bytes=config.checkpoint.budget_bytes,
+            ckpt_eviction=config.checkpoint.eviction,
+            ckpt_orphan_ttl_s=config.checkpoint.orphan_ttl_s,
+            ckpt_payload_scale=config.checkpoint.payload_scale,
+            ckpt_frame_bytes=config.checkpoint.frame_bytes,
+            ckpt_max_lag_bytes=config.checkpoint.max_lag_bytes,
             draft_model=m.draft_preset,
             log_level=config.gateway.log_level,
         )

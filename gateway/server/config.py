@@ -166,7 +166,6 @@ class ClusterSection:
     workers: int = 3
     failure_domains: int = 1
     restart_killed: bool = True
-    worker_ckpt_budget_bytes: int = 64 * GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,10 +430,4 @@ def validate(cfg: Config) -> None:
         "cluster.failure_domains",
         cl.failure_domains,
         "must be in 1..cluster.workers",
-    )
-    _check(
-        cl.worker_ckpt_budget_bytes >= 0,
-        "cluster.worker_ckpt_budget_bytes",
-        cl.worker_ckpt_budget_bytes,
-        ">= 0",
     )
