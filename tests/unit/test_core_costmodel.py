@@ -11,8 +11,15 @@ KiB = 1024
 
 @pytest.mark.parametrize(
     ("model", "kib"),
-    [("Qwen3-8B", 144), ("Qwen3-14B", 160), ("Qwen3-32B", 256), ("Llama-3-70B", 320), ("Qwen3-0.6B", 112),
-     ("Qwen3-1.7B", 112), ("Llama-3.2-1B", 32)],
+    [
+        ("Qwen3-8B", 144),
+        ("Qwen3-14B", 160),
+        ("Qwen3-32B", 256),
+        ("Llama-3-70B", 320),
+        ("Qwen3-0.6B", 112),
+        ("Qwen3-1.7B", 112),
+        ("Llama-3.2-1B", 32),
+    ],
 )
 def test_kv_bytes_per_token_match_design(model: str, kib: int) -> None:
     assert MODELS[model].kv_bytes_per_token == kib * KiB

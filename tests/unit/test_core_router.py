@@ -30,7 +30,9 @@ def workers(draw: st.DrawFn, min_size: int = 0) -> list[WorkerView]:
     ]
 
 
-params = st.builds(LoadParams, alpha=st.floats(0, 4), beta=st.floats(0.01, 4), nominal_batch=st.integers(1, 256))
+params = st.builds(
+    LoadParams, alpha=st.floats(0, 4), beta=st.floats(0.01, 4), nominal_batch=st.integers(1, 256)
+)
 
 
 @given(workers(), params, st.randoms())
@@ -61,7 +63,9 @@ def test_excluded_workers_are_never_chosen(ws: list[WorkerView], p: LoadParams) 
 @given(st.integers(0, 500), st.integers(0, 500), st.integers(1, 100), params)
 def test_load_is_monotone_in_queue_depth(running: int, waiting: int, extra: int, p: LoadParams) -> None:
     w = WorkerView(id="a", state=WorkerState.HEALTHY, incarnation=1, running=running, waiting=waiting)
-    more = WorkerView(id="a", state=WorkerState.HEALTHY, incarnation=1, running=running, waiting=waiting + extra)
+    more = WorkerView(
+        id="a", state=WorkerState.HEALTHY, incarnation=1, running=running, waiting=waiting + extra
+    )
     assert estimated_load(more, p) > estimated_load(w, p)
 
 
@@ -72,7 +76,9 @@ def test_ties_break_by_id() -> None:
 
 def test_checkpoint_load_counts_against_a_worker() -> None:
     light = WorkerView(id="b", state=WorkerState.HEALTHY, incarnation=1, kv_capacity_tokens=1000)
-    holder = WorkerView(id="a", state=WorkerState.HEALTHY, incarnation=1, kv_capacity_tokens=1000, ckpt_tokens=500)
+    holder = WorkerView(
+        id="a", state=WorkerState.HEALTHY, incarnation=1, kv_capacity_tokens=1000, ckpt_tokens=500
+    )
     assert choose_worker(ClusterView.of([light, holder]), LoadParams(alpha=1.0, beta=1.0)) == "b"
     # with alpha = 0 checkpoints do not count and the id tie-break picks "a"
     assert choose_worker(ClusterView.of([light, holder]), LoadParams(alpha=0.0, beta=1.0)) == "a"

@@ -6,8 +6,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-IO_LIBS = {"asyncio", "aiohttp", "grpc", "zmq", "torch", "sglang", "logging", "structlog", "time", "random",
-           "socket", "os", "subprocess", "uvloop", "threading"}
+IO_LIBS = {
+    "asyncio",
+    "aiohttp",
+    "grpc",
+    "zmq",
+    "torch",
+    "sglang",
+    "logging",
+    "structlog",
+    "time",
+    "random",
+    "socket",
+    "os",
+    "subprocess",
+    "uvloop",
+    "threading",
+}
 
 
 def imports_of(path: Path) -> set[str]:
@@ -49,7 +64,9 @@ def test_server_and_sim_do_not_import_each_other_or_heavy_libs(path: Path) -> No
     other = "gateway.sim" if "server" in path.parts else "gateway.server"
     for imp in imports_of(path):
         assert not imp.startswith(other), f"{path} imports {imp}"
-        assert top(imp) not in ("torch", "sglang", "worker_hooks"), f"{path}: the gateway process imports {imp}"
+        assert top(imp) not in ("torch", "sglang", "worker_hooks"), (
+            f"{path}: the gateway process imports {imp}"
+        )
 
 
 @pytest.mark.parametrize("path", modules("worker_hooks") + modules("draft_models"), ids=str)
