@@ -77,7 +77,7 @@ class DraftStats(_message.Message):
     def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total")
+    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total", "ckpt_bytes_sent_total", "ckpt_pages_evicted_total", "restores_total")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,9 @@ class Heartbeat(_message.Message):
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESTORED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CKPT_BYTES_SENT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CKPT_PAGES_EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     seq: int
     phase: Phase
     running: int
@@ -102,7 +105,10 @@ class Heartbeat(_message.Message):
     draft: DraftStats
     restored_tokens_total: int
     completed_total: int
-    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ...) -> None: ...
+    ckpt_bytes_sent_total: int
+    ckpt_pages_evicted_total: int
+    restores_total: int
+    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ..., ckpt_bytes_sent_total: _Optional[int] = ..., ckpt_pages_evicted_total: _Optional[int] = ..., restores_total: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "heartbeat")
