@@ -10,11 +10,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from gateway.core.modes import MODES
+
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config (default: configs/default.toml)")
     p.add_argument(
-        "--mode", choices=["none", "stop_restart", "fixed_checkpoint", "lumen"], help="recovery mode"
+        "--mode", choices=list(MODES), help="recovery mode or ablation"
     )
     p.add_argument(
         "--set",

@@ -13,11 +13,16 @@ import structlog
 from aiohttp import web
 from grpc import aio
 
+from gateway.core.costmodel import CostModel
+from gateway.core.dispatch import DispatchParams
+from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
+from gateway.core.holders import HolderParams
 from gateway.core.load import estimated_load
 from gateway.core.types import LoadParams
 from gateway.server.auth import require_admin
-from gateway.server.config import Config
+from gateway.server.checkpoints import CheckpointManager
+from gateway.server.config import Config, recovery_policy
 from gateway.server.control import ControlService, start_control_server
 from gateway.server.errors import InvalidRequest, NotFound
 from gateway.server.metrics import GatewayMetrics
@@ -58,6 +63,31 @@ class Gateway:
             alpha=config.load.alpha, beta=config.load.beta, nominal_batch=config.engine.max_running_requests
         )
         self.tokenizer = make_tokenizer(config.tokenizer)
+        self.policy = recovery_policy(config)
+        self.cost = CostModel.preset(config.model.preset, config.model.gpu, config.model.tp or None)
+        r = config.recovery
+        self.dispatch_params = DispatchParams(
+            load=self.load_params,
+            rule=self.policy.dispatch,
+            theta=r.theta,
+            theta_mode="absolute" if r.theta_mode == "absolute" else "relative",
+            tau=r.tau,
+        )
+        self.checkpoints: CheckpointManager | None = None
+        if self.policy.checkpointing:
+            self.checkpoints = CheckpointManager(
+                monitor=self.monitor,
+                control=self.control,
+                params=HolderParams(
+                    load=self.load_params,
+                    replicas=config.checkpoint.replicas,
+                    exclude_failure_domain=config.checkpoint.exclude_failure_domain,
+                    placement=self.policy.placement,
+                ),
+                kv_bytes_per_token=self.cost.model.kv_bytes_per_token,
+                metrics=self.metrics,
+            )
+            self.control.heartbeat_hooks.append(self.checkpoints.on_heartbeat)
         self.sessions: SessionManager | None = None
         self._http: aiohttp.ClientSession | None = None
         self._grpc: aio.Server | None = None
@@ -84,6 +114,10 @@ class Gateway:
             load_params=self.load_params,
             metrics=self.metrics,
             max_concurrent=self.config.limits.max_concurrent_requests,
+            policy=self.policy,
+            checkpoints=self.checkpoints,
+            dispatch_params=self.dispatch_params,
+            cost=self.cost,
         )
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         app = self.build_app()
@@ -139,7 +173,7 @@ class Gateway:
             "status": "ok" if healthy else "no_healthy_workers",
             "healthy_workers": healthy,
             "workers": len(self.monitor.workers),
-            "mode": self.config.recovery.mode,
+            "mode": self.policy.name,
         }
         return web.json_response(body, status=200 if healthy else 503)
 
@@ -148,6 +182,20 @@ class Gateway:
             self.metrics.workers.labels(state=st.value).set(
                 sum(1 for w in self.monitor.workers.values() if w.state is st)
             )
+        held = []
+        for w in self.monitor.workers.values():
+            self.metrics.ckpt_tokens_held.labels(worker=w.id).set(w.ckpt_tokens)
+            self.metrics.ckpt_bytes_streamed.labels(worker=w.id).set(w.ckpt_bytes_sent_total)
+            self.metrics.ckpt_pages_evicted.labels(worker=w.id).set(w.ckpt_pages_evicted_total)
+            if w.state is WorkerState.HEALTHY:
+                held.append(w.ckpt_tokens)
+        if self.checkpoints is not None and self.sessions is not None:
+            live = [f"{rid}-{s.attempts}" for rid, s in self.sessions.live.items()]
+            cov = self.checkpoints.coverage(live)
+            self.metrics.ckpt_coverage.set(cov if cov is not None else 1.0)
+            balance = holder_balance(held)
+            if balance is not None and balance != float("inf"):
+                self.metrics.holder_balance.set(balance)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def handle_workers(self, request: web.Request) -> web.Response:
@@ -169,6 +217,13 @@ class Gateway:
                     "kv_tokens_used": w.kv_tokens_used,
                     "kv_capacity_tokens": w.kv_capacity_tokens,
                     "completed_total": w.completed_total,
+                    "ckpt_bytes": w.ckpt_bytes,
+                    "ckpt_tokens": w.ckpt_tokens,
+                    "ckpt_bytes_sent_total": w.ckpt_bytes_sent_total,
+                    "ckpt_pages_evicted_total": w.ckpt_pages_evicted_total,
+                    "restores_total": w.restores_total,
+                    "restored_tokens_total": w.restored_tokens_total,
+                    "kv_endpoint": w.kv_endpoint,
                     "load": round(estimated_load(w.view(), self.load_params), 4),
                     "last_heartbeat_ms_ago": round(1000 * (now - w.last_heartbeat), 1),
                     "failure_domain": w.failure_domain,
@@ -220,6 +275,9 @@ class Gateway:
                         "t": round(it.at - self.started_at, 4),
                         "emitted_before": it.emitted_before,
                         "resumed_on": it.resumed_on,
+                        "action": it.action,
+                        "dispatch_reason": it.dispatch_reason,
+                        "restored_tokens": it.restored_tokens,
                         "resume_delay_s": None if it.resume_delay is None else round(it.resume_delay, 4),
                     }
                 )

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.core.modes import MODES, RecoveryPolicy, policy_for
+
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 
-MODES = ("none", "stop_restart", "fixed_checkpoint", "lumen")
 GiB = 1024**3
 
 
@@ -116,7 +117,9 @@ class CheckpointSection:
 
 @dataclass(frozen=True, slots=True)
 class RecoverySection:
-    mode: str = "lumen"  # none | stop_restart | fixed_checkpoint | lumen
+    mode: str = (
+        "lumen"  # none | stop_restart | fixed_checkpoint | lumen | lumen-no-draft | ... (core/modes.py)
+    )
     dispatch_rule: str = "threshold"  # threshold (the paper's) | cost
     theta: float = 2.0
     theta_mode: str = "relative"  # relative (x survivors' mean load) | absolute
@@ -195,6 +198,23 @@ class Config:
                 raise ConfigError(dotted, value, "unknown key")
             raw[section][key] = value
         return from_dict(raw)
+
+
+def recovery_policy(cfg: Config) -> RecoveryPolicy:
+    """The recovery policy in force: the mode's own, with the ablation switches applied to `lumen`."""
+    r = cfg.recovery
+    base = policy_for(r.mode)
+    if r.mode != "lumen":
+        return base
+    return dataclasses.replace(
+        base,
+        placement="ring" if r.placement == "ring" else "load_aware",
+        dispatch="always_holder"
+        if r.always_holder
+        else ("cost" if r.dispatch_rule == "cost" else "threshold"),
+        draft_assist=r.draft_assist,
+        checkpointing=cfg.checkpoint.enabled,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,7 +415,7 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.max_lag_bytes", c.max_lag_bytes)
 
     r = cfg.recovery
-    _choice("recovery.mode", r.mode, MODES)
+    _choice("recovery.mode", r.mode, tuple(MODES))
     _choice("recovery.dispatch_rule", r.dispatch_rule, ("threshold", "cost"))
     _positive("recovery.theta", r.theta)
     _choice("recovery.theta_mode", r.theta_mode, ("relative", "absolute"))

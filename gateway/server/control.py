@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import uuid
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -30,6 +31,8 @@ class ControlService(pb_grpc.ControlServicer):
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.gateway_id = uuid.uuid4().hex[:12]
         self.outboxes: dict[str, asyncio.Queue[pb.GatewayMessage]] = {}
+        # called after the monitor has taken each heartbeat (the checkpoint manager listens)
+        self.heartbeat_hooks: list[Callable[[WorkerRecord, pb.Heartbeat], None]] = []
 
     def send(self, worker_id: str, msg: pb.GatewayMessage) -> bool:
         """Queue a command for a worker's current incarnation; False if it is not attached."""
@@ -106,6 +109,9 @@ class ControlService(pb_grpc.ControlServicer):
                 return
             if msg.HasField("heartbeat"):
                 self.monitor.heartbeat(rec, msg.heartbeat)
+                if self.monitor.workers.get(rec.id) is rec:
+                    for hook in self.heartbeat_hooks:
+                        hook(rec, msg.heartbeat)
             else:
                 log.warning("unexpected_worker_message", worker=rec.id, kind=msg.WhichOneof("body"))
 

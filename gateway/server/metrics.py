@@ -49,6 +49,37 @@ class GatewayMetrics:
             ["code"],
             registry=r,
         )
+        self.ckpt_assignments = Counter(
+            "lumen_checkpoint_assignments",
+            "Checkpoint holder assignments by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.ckpt_coverage = Gauge(
+            "lumen_checkpoint_coverage", "Share of in-flight attempts with a live checkpoint", registry=r
+        )
+        self.holder_balance = Gauge(
+            "lumen_holder_balance",
+            "max/min checkpointed tokens across HEALTHY holders (1 = even)",
+            registry=r,
+        )
+        self.ckpt_tokens_held = Gauge(
+            "lumen_checkpoint_tokens_held", "Checkpointed tokens held per worker", ["worker"], registry=r
+        )
+        self.ckpt_bytes_streamed = Gauge(
+            "lumen_checkpoint_bytes_streamed",
+            "Modelled KV bytes streamed to holders, per serving worker (since start)",
+            ["worker"],
+            registry=r,
+        )
+        self.ckpt_pages_evicted = Gauge(
+            "lumen_checkpoint_pages_evicted", "Pages evicted by holders' budgets", ["worker"], registry=r
+        )
+        self.restored_tokens = Counter(
+            "lumen_restored_tokens",
+            "Prompt tokens restored from checkpoints instead of recomputed",
+            registry=r,
+        )
         self.workers = Gauge("lumen_workers", "Workers by state", ["state"], registry=r)
 
     def render(self) -> bytes:

@@ -55,6 +55,7 @@ class WorkerRecord:
     incarnation: int
     state: WorkerState
     http_url: str
+    kv_endpoint: str = ""
     model: str = ""
     pid: int = 0
     kv_capacity_tokens: int = 1
@@ -71,6 +72,10 @@ class WorkerRecord:
     ckpt_bytes: int = 0
     ckpt_tokens: int = 0
     completed_total: int = 0
+    restored_tokens_total: int = 0
+    restores_total: int = 0
+    ckpt_bytes_sent_total: int = 0
+    ckpt_pages_evicted_total: int = 0
     # requests this gateway has in flight on the worker
     inflight: int = 0
     attached_at: float = 0.0
@@ -141,6 +146,7 @@ class LoadMonitor:
             incarnation=hello.incarnation,
             state=state,
             http_url=hello.http_url,
+            kv_endpoint=hello.kv_endpoint,
             model=hello.model,
             pid=hello.pid,
             kv_capacity_tokens=max(1, hello.kv_capacity_tokens),
@@ -168,6 +174,10 @@ class LoadMonitor:
         rec.ckpt_bytes = hb.ckpt_bytes_used
         rec.ckpt_tokens = hb.ckpt_tokens_held
         rec.completed_total = hb.completed_total
+        rec.restored_tokens_total = hb.restored_tokens_total
+        rec.restores_total = hb.restores_total
+        rec.ckpt_bytes_sent_total = hb.ckpt_bytes_sent_total
+        rec.ckpt_pages_evicted_total = hb.ckpt_pages_evicted_total
         rec.phase = phase_of(hb.phase)
         if rec.state is WorkerState.SUSPECT:
             self._set(rec, WorkerState.HEALTHY, "heartbeat resumed")

@@ -19,9 +19,13 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 
+from gateway.core.costmodel import CostModel
+from gateway.core.dispatch import DispatchParams, dispatch
+from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import choose_worker
-from gateway.core.types import LoadParams
-from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams
+from gateway.core.types import ClusterView, LoadParams
+from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
+from gateway.server.checkpoints import CheckpointManager
 from gateway.server.config import RecoverySection
 from gateway.server.errors import NoWorkerAvailable, Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.jobs import GenerateJob, TokenDelta
@@ -43,6 +47,9 @@ class Interruption:
     last_token_before: float
     resumed_on: str | None = None
     resumed_at: float | None = None  # first token after the failure
+    action: str = "replay"  # how dispatch resumed it: restore (on a holder) or replay
+    dispatch_reason: str = ""
+    restored_tokens: int = 0  # prefix the resuming worker restored from its checkpoint store
 
     @property
     def resume_delay(self) -> float | None:
@@ -88,10 +95,18 @@ class SessionManager:
         recovery: RecoverySection,
         load_params: LoadParams,
         metrics: GatewayMetrics,
+        policy: RecoveryPolicy | None = None,
+        checkpoints: CheckpointManager | None = None,
+        dispatch_params: DispatchParams | None = None,
+        cost: CostModel | None = None,
         max_concurrent: int = 8192,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_concurrent = max_concurrent
+        self.policy = policy or policy_for(recovery.mode)
+        self.checkpoints = checkpoints if self.policy.checkpointing else None
+        self.dispatch_params = dispatch_params or DispatchParams(load=load_params)
+        self.cost = cost
         self.monitor = monitor
         self.http = http
         self.recovery = recovery
@@ -115,6 +130,8 @@ class SessionManager:
         finally:
             self.metrics.inflight.dec()
             del self.live[job.rid]
+            if self.checkpoints is not None:
+                self.checkpoints.release_session(job.rid)
             if session.interruptions:
                 self.recent_interrupted.append(session)
 
@@ -153,7 +170,7 @@ class SessionManager:
                     self.metrics.stalls.inc()
                     excluded.add(worker.id)
             self._note_interruption(s, worker, lost_reason)
-            if rec_cfg.mode == "none":
+            if not self.policy.failover:
                 raise UpstreamFailed(
                     f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'"
                 )
@@ -164,11 +181,14 @@ class SessionManager:
         """The worker for the next attempt: the router for the first, recovery dispatch afterwards."""
         deadline = self.clock() + self.recovery.no_worker_wait_s
         while True:
-            wid = choose_worker(self.monitor.view(), self.load_params, exclude=excluded)
+            view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()
+            wid = self._dispatch(s, view, excluded)
+            if wid is None:
+                wid = choose_worker(view, self.load_params, exclude=excluded)
             if wid is None and excluded:
                 # everything else is down: an excluded (stalled/refusing) worker beats no worker
                 excluded.clear()
-                wid = choose_worker(self.monitor.view(), self.load_params)
+                wid = choose_worker(view, self.load_params)
             if wid is not None:
                 return self.monitor.workers[wid]
             left = deadline - self.clock()
@@ -178,10 +198,30 @@ class SessionManager:
                     f"({len(s.emitted)} tokens were generated before)"
                 )
 
+    def _dispatch(self, s: Session, view: ClusterView, excluded: set[str]) -> str | None:
+        """Algorithm 2 for a request resuming after a failure: restore on a holder, or replay."""
+        if self.checkpoints is None or not s.interruptions or s.interruptions[-1].resumed_at is not None:
+            return None
+        it = s.interruptions[-1]
+        req = self.checkpoints.interrupted(
+            s.job.rid, it.worker_id, len(s.job.prompt_ids) + len(s.emitted), max(0, s.remaining)
+        )
+        decision = dispatch(view, req, self.dispatch_params, self.cost)
+        it.action, it.dispatch_reason = decision.action, decision.reason
+        if decision.worker is None or decision.worker in excluded:
+            return None
+        return decision.worker
+
     async def _attempt(self, s: Session, worker: WorkerRecord) -> AsyncIterator[TokenDelta]:
         sp = s.job.sampling
+        wrid = f"{s.job.rid}-{s.attempts}"
+        holders: list[HolderRef] = []
+        if self.checkpoints is not None:
+            holders = self.checkpoints.assign(
+                s.job.rid, wrid, worker, len(s.job.prompt_ids) + len(s.emitted), s.remaining
+            )
         req = GenerateRequest(
-            rid=f"{s.job.rid}-{s.attempts}",
+            rid=wrid,
             input_ids=[*s.job.prompt_ids, *s.emitted],
             sampling_params=SamplingParams(
                 max_new_tokens=s.remaining,
@@ -192,7 +232,9 @@ class SessionManager:
                 ignore_eos=sp.ignore_eos,
             ),
             stream=True,
-            lumen=LumenExt(epoch=worker.incarnation, seed_base=s.seed_base, attempt=s.attempts),
+            lumen=LumenExt(
+                epoch=worker.incarnation, seed_base=s.seed_base, attempt=s.attempts, checkpoint=holders
+            ),
         )
         stream = WorkerStream(
             self.http,
@@ -213,7 +255,7 @@ class SessionManager:
                     if not ids and fin is None:
                         continue
                     if ids:
-                        self._on_tokens(s, worker, len(ids))
+                        self._on_tokens(s, worker, len(ids), chunk.meta_info.restored_tokens)
                         s.emitted.extend(ids)
                     finish = None if fin is None else ("abort" if fin.type == "abort" else fin.type)
                     if finish == "abort":
@@ -232,7 +274,7 @@ class SessionManager:
             self.monitor.unwatch(worker.id, sub)
 
     # -- bookkeeping ----------------------------------------------------------------------------
-    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int) -> None:
+    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, restored: int) -> None:
         now = self.clock()
         if s.first_token_at is None:
             s.first_token_at = now
@@ -241,8 +283,11 @@ class SessionManager:
             it = s.interruptions[-1]
             it.resumed_at = now
             it.resumed_on = worker.id
+            it.restored_tokens = restored
+            if restored:
+                self.metrics.restored_tokens.inc(restored)
             self.metrics.resume_delay.observe(it.resume_delay or 0.0)
-            self.metrics.resumes.labels(kind="replay").inc()
+            self.metrics.resumes.labels(kind="restore" if restored else "replay").inc()
         s.last_token_at = now
         self.metrics.output_tokens.inc(n)
 

@@ -1,0 +1,209 @@
+"""The checkpoint manager: which workers hold which request's KV pages (DESIGN 3, 4.4, 6).
+
+It assigns holders with Algorithm 1 when an attempt starts (the serving worker then streams full pages
+to them), tracks the durable prefix each holder reports in its heartbeats, gives a request new holders
+when one dies (the serving worker re-sends the pages), and drops everything when the request ends.
+Its accounting feeds the load estimate: a holder's checkpoint term is the larger of what it reports
+and what the gateway has assigned to it, so a burst of assignments between heartbeats stays balanced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import structlog
+
+from gateway.core import holders as holder_policy
+from gateway.core.dispatch import InterruptedRequest
+from gateway.core.health import WorkerState
+from gateway.core.types import ClusterView
+from gateway.protocol import control_pb2 as pb
+from gateway.protocol.generate import HolderRef
+from gateway.server.control import ControlService
+from gateway.server.metrics import GatewayMetrics
+from gateway.server.monitor import LoadMonitor, StateEvent, WorkerRecord
+
+log = structlog.get_logger("lumen.checkpoints")
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """One attempt's checkpoint: its worker-level rid, serving worker, and holders."""
+
+    wrid: str
+    session_rid: str
+    serving: str
+    serving_incarnation: int
+    expected_tokens: int  # context + remaining: what a holder may end up holding
+    # holder id -> durable tokens it reported for this rid
+    holders: dict[str, int] = field(default_factory=dict)
+    abandoned: bool = False
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        *,
+        monitor: LoadMonitor,
+        control: ControlService,
+        params: holder_policy.HolderParams,
+        kv_bytes_per_token: int,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.monitor = monitor
+        self.control = control
+        self.params = params
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.metrics = metrics
+        self.by_wrid: dict[str, Checkpoint] = {}
+        self.by_session: dict[str, list[str]] = defaultdict(list)
+        # tokens the gateway has assigned to each holder and not yet released
+        self.assigned_tokens: dict[str, int] = defaultdict(int)
+        monitor.on_state_change.append(self._on_state_change)
+
+    # -- the view the policies see --------------------------------------------------------------
+    def view(self) -> ClusterView:
+        base = self.monitor.view()
+        out = {}
+        for wid, w in base.workers.items():
+            assigned = self.assigned_tokens.get(wid, 0)
+            if assigned > w.ckpt_tokens:
+                w = dataclasses.replace(
+                    w,
+                    ckpt_tokens=assigned,
+                    ckpt_bytes=max(w.ckpt_bytes, assigned * self.kv_bytes_per_token),
+                )
+            out[wid] = w
+        return ClusterView(out)
+
+    # -- lifecycle of one attempt's checkpoint --------------------------------------------------
+    def assign(
+        self, session_rid: str, wrid: str, serving: WorkerRecord, context: int, remaining: int
+    ) -> list[HolderRef]:
+        expected = context + remaining
+        chosen = holder_policy.choose_holders(
+            self.view(), serving.id, expected * self.kv_bytes_per_token, self.params
+        )
+        if not chosen:
+            self.metrics.ckpt_assignments.labels(outcome="no_holder").inc()
+            return []
+        ck = Checkpoint(wrid, session_rid, serving.id, serving.incarnation, expected, {h: 0 for h in chosen})
+        self.by_wrid[wrid] = ck
+        self.by_session[session_rid].append(wrid)
+        for h in chosen:
+            self.assigned_tokens[h] += expected
+        self.metrics.ckpt_assignments.labels(outcome="assigned").inc()
+        return [self._ref(h) for h in chosen]
+
+    def interrupted(self, session_rid: str, failed: str, context: int, remaining: int) -> InterruptedRequest:
+        """What dispatch needs: live holders of the session's checkpoints and the prefix they all have."""
+        best: tuple[int, tuple[str, ...]] = (0, ())
+        for wrid in self.by_session.get(session_rid, ()):
+            ck = self.by_wrid.get(wrid)
+            if ck is None or ck.abandoned:
+                continue
+            live = {h: t for h, t in ck.holders.items() if self._alive(h) and h != failed}
+            if not live:
+                continue
+            # with two holders, the prefix both have (dispatch may pick either)
+            durable = min(min(live.values()), context)
+            if durable > best[0]:
+                best = (durable, tuple(sorted(live)))
+        return InterruptedRequest(
+            rid=session_rid,
+            failed_worker=failed,
+            holders=best[1],
+            durable_tokens=best[0],
+            context_tokens=context,
+            remaining_tokens=remaining,
+        )
+
+    def release_session(self, session_rid: str) -> None:
+        """The request ended (finished or failed for good): every holder drops its pages."""
+        drops: dict[str, list[str]] = defaultdict(list)
+        for wrid in self.by_session.pop(session_rid, ()):
+            ck = self.by_wrid.pop(wrid, None)
+            if ck is None:
+                continue
+            for h in ck.holders:
+                self.assigned_tokens[h] -= ck.expected_tokens
+                if self.assigned_tokens[h] <= 0:
+                    del self.assigned_tokens[h]
+                drops[h].append(wrid)
+        for h, rids in drops.items():
+            if self._alive(h):
+                self.control.send(h, pb.GatewayMessage(drop_checkpoint=pb.DropCheckpoint(rids=rids)))
+
+    # -- feedback from workers ------------------------------------------------------------------
+    def on_heartbeat(self, rec: WorkerRecord, hb: pb.Heartbeat) -> None:
+        for d in hb.durable:
+            ck = self.by_wrid.get(d.rid)
+            if ck is not None and rec.id in ck.holders:
+                ck.holders[rec.id] = d.tokens
+        for wrid in hb.abandoned_checkpoints:
+            ck = self.by_wrid.get(wrid)
+            if ck is not None and ck.serving == rec.id and not ck.abandoned:
+                ck.abandoned = True
+                self.metrics.ckpt_assignments.labels(outcome="abandoned").inc()
+                log.warning("checkpoint_abandoned", rid=wrid, serving=rec.id, holders=list(ck.holders))
+
+    def _on_state_change(self, ev: StateEvent) -> None:
+        if ev.dst is WorkerState.FAILED:
+            self._holder_failed(ev.worker_id)
+
+    def _holder_failed(self, dead: str) -> None:
+        """Requests whose holder died get a new one; their serving worker re-sends the pages."""
+        for ck in list(self.by_wrid.values()):
+            if dead not in ck.holders or ck.abandoned:
+                continue
+            del ck.holders[dead]
+            self.assigned_tokens[dead] = max(0, self.assigned_tokens.get(dead, 0) - ck.expected_tokens)
+            serving = self.monitor.workers.get(ck.serving)
+            if (
+                serving is None
+                or serving.incarnation != ck.serving_incarnation
+                or serving.state is not WorkerState.HEALTHY
+            ):
+                continue  # the request itself is interrupted; dispatch uses the holders left
+            alive = tuple(h for h in ck.holders if self._alive(h))
+            new = holder_policy.reassign_holders(
+                self.view(), ck.serving, alive, ck.expected_tokens * self.kv_bytes_per_token, self.params
+            )
+            if not new:
+                continue
+            for h in new:
+                ck.holders[h] = 0
+                self.assigned_tokens[h] += ck.expected_tokens
+            msg = pb.GatewayMessage(
+                assign_holder=pb.AssignHolder(
+                    rid=ck.wrid,
+                    holders=[
+                        pb.HolderTarget(worker_id=h, kv_endpoint=self._ref(h).kv_endpoint) for h in ck.holders
+                    ],
+                )
+            )
+            self.control.send(ck.serving, msg)
+            self.metrics.ckpt_assignments.labels(outcome="reassigned").inc()
+            log.info("holder_reassigned", rid=ck.wrid, dead=dead, new=list(new), serving=ck.serving)
+
+    # -- metrics --------------------------------------------------------------------------------
+    def coverage(self, live_wrids: list[str]) -> float | None:
+        """Share of in-flight attempts with a live, non-abandoned checkpoint on some holder."""
+        if not live_wrids:
+            return None
+        covered = 0
+        for wrid in live_wrids:
+            ck = self.by_wrid.get(wrid)
+            if ck is not None and not ck.abandoned and any(self._alive(h) for h in ck.holders):
+                covered += 1
+        return covered / len(live_wrids)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _alive(self, wid: str) -> bool:
+        w = self.monitor.workers.get(wid)
+        return w is not None and w.state in (WorkerState.HEALTHY, WorkerState.SUSPECT)
+
+    def _ref(self, wid: str) -> HolderRef:
+        return HolderRef(worker_id=wid, kv_endpoint=self.monitor.workers[wid].kv_endpoint)
