@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="gateway port (0: pick a free one)")
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=cmd_demo)
+    from gateway.sim.cli import add_sim_commands
+
+    add_sim_commands(sub)
     return parser
 
 
