@@ -23,6 +23,7 @@ class RequestResult:
     finish_reason: str | None = None
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    rid: str = ""  # the gateway's request id (the response's "id")
 
     @property
     def ok(self) -> bool:
@@ -70,6 +71,7 @@ async def stream_completion(
                 if payload == b"[DONE]":
                     break
                 obj = json.loads(payload)
+                r.rid = r.rid or obj.get("id", "")
                 if "error" in obj:
                     r.error = obj["error"].get("message", "error")
                     break
