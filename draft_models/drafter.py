@@ -1,0 +1,255 @@
+"""The drafter's side of the draft-assist plane: a ROUTER socket answering DraftRequests.
+
+`DrafterServer` binds at the drafter's `draft_endpoint` (tcp://127.0.0.1:0 picks a free port;
+`endpoint` reports the bound one), keeps one `DraftState` per (target connection, rid) in a bounded LRU,
+and answers each round with up to k drafts per rid. It models the draft model's time on its GPU with
+the cost model of the draft preset: a round costs one step that absorbs every synced id (and yields the
+first draft), then one decode step per further draft position, batched over the round's requests;
+the wall time is that × `time_scale`.
+
+Rounds that queued up behind a newer round from the same target are superseded: their syncs and
+releases still apply, in order, but they get no reply (the target would drop it as stale anyway), so
+a slow drafter catches up instead of falling further behind. A bad message is refused and logged and
+changes nothing. It owns one task, started by `start()` and ended by `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol, cast
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from draft_models.synthetic import DraftState, Proposal
+from gateway.core.costmodel import CostModel, StepWork
+from gateway.protocol.draft import (
+    DraftItem,
+    DraftProtocolError,
+    DraftReply,
+    DraftRequest,
+    DraftTokens,
+    QDist,
+    decode_request,
+    encode_reply,
+)
+from gateway.protocol.generate import SamplingParams
+from worker_hooks.engine.synthetic import Sampler
+
+log = structlog.get_logger("lumen.draft.drafter")
+
+
+class DraftModel(Protocol):
+    def start(self, context: Sequence[int]) -> DraftState: ...
+
+    def sync(self, state: DraftState, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, state: DraftState, k: int, sampler: Sampler, *, want_q: bool = False) -> Proposal: ...
+
+
+@dataclass(slots=True)
+class DrafterStats:
+    messages: int = 0
+    refused: int = 0
+    rounds: int = 0  # answered
+    superseded: int = 0
+    items: int = 0
+    drafted: int = 0
+    resyncs: int = 0
+    evicted: int = 0
+    released: int = 0
+    modelled_s: float = 0.0  # draft-model GPU time, before time_scale
+
+
+@dataclass(slots=True)
+class _Work:
+    """One round's cost-model inputs."""
+
+    syncs: list[tuple[int, int]]  # (ids absorbed, context before them)
+    drafts: list[tuple[int, int, bool]]  # (position, k, had a sync in the first step)
+
+
+class DrafterServer:
+    def __init__(
+        self,
+        model: DraftModel,
+        endpoint: str = "tcp://127.0.0.1:0",
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        cost: CostModel | None = None,
+        time_scale: float = 1.0,
+        max_states: int = 4096,
+        max_drain: int = 256,
+    ) -> None:
+        if max_states < 1:
+            raise ValueError(f"max_states must be >= 1, got {max_states}")
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.model = model
+        self.cost = cost
+        self.time_scale = time_scale
+        self.max_states = max_states
+        self._max_drain = max_drain
+        self._bind_to = endpoint
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        # (target connection, rid) -> state, least recently used first
+        self._states: OrderedDict[tuple[bytes, str], DraftState] = OrderedDict()
+        self.stats = DrafterStats()
+        self.endpoint = ""
+
+    @property
+    def n_states(self) -> int:
+        return len(self._states)
+
+    async def start(self) -> str:
+        if self._sock is not None:
+            raise RuntimeError("DrafterServer already started")
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self._bind_to)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise OSError(f"cannot bind drafter at {self._bind_to}: {exc}") from exc
+        self._sock = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"drafter {self.endpoint}")
+        log.info("drafter_listening", endpoint=self.endpoint, max_states=self.max_states)
+        return self.endpoint
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+        self._states.clear()
+
+    async def __aenter__(self) -> DrafterServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def _run(self) -> None:
+        sock = self._sock
+        if sock is None:
+            raise RuntimeError("DrafterServer not started")
+        while True:
+            batch = [await sock.recv_multipart()]
+            # take what else has queued meanwhile: superseded rounds are answered by their successor
+            while len(batch) < self._max_drain and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                batch.append(await sock.recv_multipart())
+            try:
+                replies, seconds = self.handle(batch)
+            except Exception:  # the outermost loop: one bad round must not stop the drafter
+                self.stats.refused += len(batch)
+                log.exception("draft_round_failed", messages=len(batch))
+                continue
+            if seconds > 0.0 and self.time_scale > 0.0:
+                await asyncio.sleep(seconds * self.time_scale)
+            for frames in replies:
+                await sock.send_multipart(frames)
+
+    def handle(self, messages: list[list[bytes]]) -> tuple[list[list[bytes]], float]:
+        """Apply received messages; return the reply frames and the modelled draft time in seconds."""
+        decoded: list[tuple[bytes, DraftRequest]] = []
+        for frames in messages:
+            self.stats.messages += 1
+            if len(frames) != 2:
+                self.stats.refused += 1
+                log.warning("draft_message_refused", reason=f"{len(frames)} frames, expected 2")
+                continue
+            try:
+                decoded.append((frames[0], decode_request(frames[1])))
+            except DraftProtocolError as exc:
+                self.stats.refused += 1
+                log.warning("draft_message_refused", reason=str(exc))
+        newest: dict[bytes, DraftRequest] = {}
+        for peer, request in decoded:
+            if peer not in newest or request.round >= newest[peer].round:
+                newest[peer] = request
+        work = _Work([], [])
+        replies: list[list[bytes]] = []
+        for peer, request in decoded:
+            answer = newest[peer] is request
+            drafts = [self._item(peer, item, answer, work) for item in request.batch]
+            for rid in request.release:
+                if self._states.pop((peer, rid), None) is not None:
+                    self.stats.released += 1
+            if answer:
+                self.stats.rounds += 1
+                reply = DraftReply(round=request.round, drafts=[d for d in drafts if d is not None])
+                replies.append([peer, encode_reply(reply)])
+            else:
+                self.stats.superseded += 1
+        seconds = self._seconds(work)
+        self.stats.modelled_s += seconds
+        return replies, seconds
+
+    def _item(self, peer: bytes, item: DraftItem, answer: bool, work: _Work) -> DraftTokens | None:
+        key = (peer, item.rid)
+        self.stats.items += 1
+        state = self._states.get(key)
+        if item.full:
+            state = self.model.start(item.sync_tokens)
+            self._put(key, state)
+        elif state is not None:
+            self.model.sync(state, item.sync_tokens)
+            self._states.move_to_end(key)
+        if state is None or state.position != item.position:
+            # unknown rid (restart, eviction) or a lost round: the target must send everything again
+            self._states.pop(key, None)
+            self.stats.resyncs += 1
+            return DraftTokens(rid=item.rid, tokens=[], resync=True) if answer else None
+        if item.sync_tokens:
+            work.syncs.append((len(item.sync_tokens), item.position - len(item.sync_tokens)))
+        if not answer:
+            return None
+        sampler = Sampler.from_params(
+            SamplingParams(temperature=item.temperature, top_p=item.top_p, top_k=item.top_k), item.seed_base
+        )
+        proposal = self.model.propose(state, item.k, sampler, want_q=item.want_q)
+        self.stats.drafted += len(proposal.tokens)
+        work.drafts.append((item.position, len(proposal.tokens), bool(item.sync_tokens)))
+        q_probs = None
+        if proposal.q is not None:
+            q_probs = [QDist(tokens=list(q.tokens), probs=list(q.probs)) for q in proposal.q]
+        return DraftTokens(rid=item.rid, tokens=list(proposal.tokens), q_probs=q_probs)
+
+    def _put(self, key: tuple[bytes, str], state: DraftState) -> None:
+        self._states[key] = state
+        self._states.move_to_end(key)
+        while len(self._states) > self.max_states:
+            self._states.popitem(last=False)
+            self.stats.evicted += 1
+
+    def _seconds(self, work: _Work) -> float:
+        """First step: every synced id (yielding first drafts); then one decode step per draft position."""
+        if self.cost is None:
+            return 0.0
+        first = StepWork(
+            prefill=work.syncs, decode_contexts=[pos for pos, k, synced in work.drafts if k and not synced]
+        )
+        seconds = self.cost.step_time(first)
+        k_max = max((k for _, k, _ in work.drafts), default=0)
+        for j in range(1, k_max):
+            seconds += self.cost.decode_step_time([pos + j for pos, k, _ in work.drafts if k > j])
+        return seconds
