@@ -39,8 +39,10 @@ def test_byte_round_trip_and_specials() -> None:
     assert tok.decode([256, 104, 105, 257, 258, 9999]) == "hi"  # specials and unknown ids are skipped
 
 
-@given(st.text())
+@given(st.text().filter(lambda t: "<|" not in t))
 def test_byte_round_trip_any_text(text: str) -> None:
+    # special-token markers such as "<|bos|>" are parsed as special ids (chat templates emit them),
+    # which decode skips; any other text round-trips
     tok = ByteTokenizer()
     ids = tok.encode(text)
     assert tok.decode(ids) == text
