@@ -1,0 +1,107 @@
+"""Draft-assist pairing: which overloaded survivor each recovering worker drafts for (Algorithm 3).
+
+A restarting worker that has loaded its draft model (DRAFT_READY) becomes a speculative-decoding
+drafter for a HEALTHY survivor until its full model is loaded. Rules:
+
+- Targets are the HEALTHY workers that are loaded (`L̂(t) > 0`) and not below the mean `L̂` of all
+  HEALTHY workers. "Not below" rather than "above": a lone survivor, or survivors sharing the load
+  evenly, are exactly the workers a drafter should help, and a strict test would never pair them.
+  A pair is dropped when its target falls below the mean or goes idle. A drafter is never a target.
+- A current pair is kept while its drafter is DRAFT_READY and its target is still a target.
+- Free drafters, in id order, go to the most loaded target with room (`max_drafters_per_target`),
+  so with no current pairs the most loaded survivor gets the first drafter.
+- Hysteresis: a kept drafter moves only to a target with room whose load exceeds its current
+  target's by more than `hysteresis` (additive, in `L̂` units). Moves repeat until none applies, so
+  feeding the result back in as `current` returns it unchanged.
+Ties between equal loads go to the smaller id; the result does not depend on the order of the view,
+of `drafters`, or of `current`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from gateway.core.health import SERVING_STATES, WorkerState
+from gateway.core.load import estimated_load
+from gateway.core.types import ClusterView, LoadParams, WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class PairingParams:
+    load: LoadParams = field(default_factory=LoadParams)
+    hysteresis: float = 0.25
+    max_drafters_per_target: int = 1
+
+    def __post_init__(self) -> None:
+        if not (self.hysteresis >= 0 and math.isfinite(self.hysteresis)):
+            raise ValueError(f"hysteresis must be a finite number >= 0, got {self.hysteresis}")
+        if self.max_drafters_per_target < 1:
+            raise ValueError(f"max_drafters_per_target must be >= 1, got {self.max_drafters_per_target}")
+
+
+def draft_targets(
+    view: ClusterView, params: PairingParams, exclude: Collection[WorkerId] = ()
+) -> list[tuple[float, WorkerId]]:
+    """(L̂, id) of every HEALTHY worker not in `exclude` with 0 < L̂ >= the HEALTHY mean, most loaded first."""
+    loads = {w.id: estimated_load(w, params.load) for w in view.workers.values() if w.state in SERVING_STATES}
+    if not loads:
+        return []
+    # fsum is exactly rounded, so the mean does not depend on the order of the view
+    mean = math.fsum(loads.values()) / len(loads)
+    out = [(load, wid) for wid, load in loads.items() if load > 0 and load >= mean and wid not in exclude]
+    out.sort(key=lambda t: (-t[0], t[1]))
+    return out
+
+
+def pair_drafters(
+    view: ClusterView,
+    drafters: Collection[WorkerId],
+    current: Mapping[WorkerId, WorkerId],
+    params: PairingParams,
+) -> dict[WorkerId, WorkerId]:
+    """The drafter → target pairing to apply now (see the module docstring for the rules)."""
+    ready = sorted(
+        d for d in set(drafters) if d in view.workers and view.workers[d].state is WorkerState.DRAFT_READY
+    )
+    targets = draft_targets(view, params, exclude=ready)
+    load = {wid: value for value, wid in targets}
+    cap = params.max_drafters_per_target
+    pairs: dict[WorkerId, WorkerId] = {}
+    count: Counter[WorkerId] = Counter()
+    for d in ready:  # id order decides which current pairs survive a smaller max_drafters_per_target
+        t = current.get(d)
+        if t is not None and t in load and count[t] < cap:
+            pairs[d] = t
+            count[t] += 1
+
+    def most_loaded_with_room(other_than: WorkerId | None = None) -> WorkerId | None:
+        for _, wid in targets:
+            if wid != other_than and count[wid] < cap:
+                return wid
+        return None
+
+    for d in ready:
+        if d in pairs:
+            continue
+        t = most_loaded_with_room()
+        if t is None:
+            break
+        pairs[d] = t
+        count[t] += 1
+
+    moved = True
+    while moved:  # each move raises the summed load of the served targets, so this ends
+        moved = False
+        for d in sorted(pairs, key=lambda d: (load[pairs[d]], d)):
+            t = pairs[d]
+            better = most_loaded_with_room(other_than=t)
+            if better is not None and load[better] > load[t] + params.hysteresis:
+                count[t] -= 1
+                count[better] += 1
+                pairs[d] = better
+                moved = True
+                break
+    return pairs

@@ -1,0 +1,262 @@
+"""The gateway side of the simulator: the same core policies the live gateway calls, on a virtual clock.
+
+Routing (`choose_worker`), holder placement (`choose_holders`, `reassign_holders`), recovery dispatch
+(`dispatch`), draft-assist pairing (`pair_drafters`, `choose_k`) and worker state changes
+(`transition`) all come from `gateway.core`; this module only keeps the books they read.
+
+The gateway's view is exact at each decision (no heartbeat lag), except that a dead worker keeps the
+load it had when it died, plus what was sent to it since, until the failure is detected.
+A holder is charged a checkpoint's final size (context + remaining output) from assignment until
+release, as the live checkpoint manager does. A checkpoint streams once the attempt's prefill is
+done: the prefilled context in bulk, then each full page as it fills; a page is durable once it
+has crossed device→host and the network (`lag_per_token` per token), so at time t the durable prefix
+is the smaller of what the bulk transfer has moved and the full pages produced by t − page lag.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gateway.core.costmodel import CostModel
+from gateway.core.dispatch import Decision, DispatchParams, InterruptedRequest, dispatch
+from gateway.core.health import WorkerState, transition
+from gateway.core.holders import HolderParams, choose_holders, reassign_holders
+from gateway.core.modes import RecoveryPolicy
+from gateway.core.pairing import PairingParams, pair_drafters
+from gateway.core.router import choose_worker
+from gateway.core.speculation import choose_k, expected_tokens_per_step
+from gateway.core.types import ClusterView, LoadParams, WorkerView
+from gateway.sim.request import SimRequest
+from gateway.sim.scenario import DraftSpec
+from gateway.sim.stepcost import StepCost
+from gateway.sim.worker import SimWorker
+
+
+class Coordinator:
+    def __init__(
+        self,
+        workers: list[SimWorker],
+        policy: RecoveryPolicy,
+        cost: CostModel,
+        load: LoadParams,
+        holders: HolderParams,
+        dispatch_params: DispatchParams,
+        pairing: PairingParams,
+        draft: DraftSpec,
+        draft_step: StepCost,
+        kv_bytes_per_token: int,
+        page_size: int,
+        lag_per_token: float,
+    ) -> None:
+        self.workers = workers
+        self.by_id = {w.id: w for w in workers}
+        self.policy, self.cost, self.load, self.holder_params = policy, cost, load, holders
+        self.dispatch_params, self.pairing_params, self.draft = dispatch_params, pairing, draft
+        self.draft_step = draft_step
+        self.kvb, self.page, self.lag_per_token = kv_bytes_per_token, page_size, lag_per_token
+        self._views: dict[str, WorkerView] = {}
+        self.pairs: dict[str, str] = {}
+        self.decisions: Counter[str] = Counter()
+        self.restored_tokens = 0
+        self.spec_ks: list[int] = []
+        self.refresh_all()
+
+    # -- the view ---------------------------------------------------------------------------------
+    def refresh_all(self) -> None:
+        for w in self.workers:
+            self._views[w.id] = self._view_of(w)
+
+    def _view_of(self, w: SimWorker) -> WorkerView:
+        return WorkerView(
+            w.id,
+            w.state,
+            w.incarnation,
+            w.running,
+            len(w.waiting),
+            w.kv_used,
+            w.kv_capacity,
+            w.ckpt_tokens,
+            w.ckpt_bytes,
+            w.ckpt_budget_bytes,
+            w.domain,
+            0,  # the simulated gateway sees every worker's queue at once: nothing is unreported
+        )
+
+    def view(self) -> ClusterView:
+        views = self._views
+        for w in self.workers:
+            if not w.dirty:
+                continue
+            w.dirty = False
+            if w.alive:
+                views[w.id] = self._view_of(w)
+            else:
+                old = views[w.id]
+                views[w.id] = WorkerView(
+                    w.id,
+                    w.state,
+                    w.incarnation,
+                    old.running,
+                    old.waiting,
+                    old.kv_tokens_used,
+                    old.kv_capacity_tokens,
+                    w.ckpt_tokens,
+                    w.ckpt_bytes,
+                    w.ckpt_budget_bytes,
+                    w.domain,
+                    len(w.lost) - w.lost_at_kill,  # sent to it since it died
+                )
+        # policies read the view synchronously and keep nothing, so one dict serves every call
+        return ClusterView(views)
+
+    def freeze(self, w: SimWorker) -> None:
+        """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
+        self._views[w.id] = self._view_of(w)
+        w.dirty = False
+
+    def set_state(self, w: SimWorker, state: WorkerState) -> None:
+        w.state = transition(w.state, state)
+        w.dirty = True
+
+    # -- routing and attempts -----------------------------------------------------------------------
+    def route(self, r: SimRequest, now: float) -> bool:
+        wid = choose_worker(self.view(), self.load)
+        if wid is None:
+            return False
+        self.start(r, self.by_id[wid], now, 0)
+        return True
+
+    def start(self, r: SimRequest, w: SimWorker, now: float, restored: int) -> None:
+        """A new attempt of r on w, restoring `restored` tokens from w's host memory."""
+        self.release(r)
+        r.attempts += 1
+        r.worker = w
+        r.restored = restored
+        r.durable = 0
+        if self.policy.checkpointing:
+            expected = r.context + (r.output - r.emitted)
+            nbytes = expected * self.kvb
+            chosen = choose_holders(self.view(), w.id, nbytes, self.holder_params)
+            self._charge(r, tuple(self.by_id[h] for h in chosen), expected)
+        w.enqueue(r, now)
+
+    def _charge(self, r: SimRequest, holders: tuple[SimWorker, ...], tokens: int) -> None:
+        for h in holders:
+            h.ckpt_tokens += tokens
+            h.ckpt_bytes += tokens * self.kvb
+            h.held.add(r)
+            h.dirty = True
+        r.holders = r.holders + holders
+        r.ck_tokens = tokens
+
+    def release(self, r: SimRequest) -> None:
+        """Every holder drops r's checkpoint (the request ended, or a new attempt starts)."""
+        for h in r.holders:
+            h.ckpt_tokens -= r.ck_tokens
+            h.ckpt_bytes -= r.ck_tokens * self.kvb
+            h.held.discard(r)
+            h.dirty = True
+        r.holders = ()
+        r.ck_time = None
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def stream_from(self, r: SimRequest, now: float, tokens: int) -> None:
+        """r's serving worker starts sending its pages: `tokens` of context in bulk, then as produced."""
+        if r.holders:
+            r.ck_time, r.ck_base = now, tokens
+
+    def durable_at(self, r: SimRequest, now: float) -> int:
+        """Full pages of r every holder has in host memory at `now` (0 without a stream)."""
+        w = r.worker
+        if r.ck_time is None or not r.holders or w is None:
+            return 0
+        page_lag = self.page * self.lag_per_token
+        bulk_s = r.ck_base * self.lag_per_token
+        if now - r.ck_time < bulk_s + page_lag:
+            sent = r.ck_base * min(1.0, (now - r.ck_time) / bulk_s) if bulk_s > 0 else 0.0
+            tokens = int(sent)
+        else:
+            # r.emitted (what the client has) is only brought up to date at a kill; count from the steps
+            k, _ = w.step_at(now - page_lag)
+            tokens = max(r.prompt + int(w.emitted_at(r, k) + 1e-9), r.ck_base)
+        return tokens - tokens % self.page
+
+    def holder_failed(self, dead: SimWorker, now: float) -> None:
+        """`dead`'s checkpoints are gone; requests still served elsewhere get a new holder."""
+        affected = sorted(dead.held, key=lambda r: r.rid)
+        dead.held.clear()
+        dead.ckpt_tokens = dead.ckpt_bytes = 0
+        dead.dirty = True
+        for r in affected:
+            r.holders = tuple(h for h in r.holders if h is not dead)
+            w = r.worker
+            if r.done or w is None or not w.alive or w.state is not WorkerState.HEALTHY:
+                continue  # r is itself interrupted: dispatch uses the holders left
+            new = reassign_holders(
+                self.view(), w.id, [h.id for h in r.holders], r.ck_tokens * self.kvb, self.holder_params
+            )
+            self._charge(r, tuple(self.by_id[h] for h in new), r.ck_tokens)
+            if new and r.rid in w.decode:
+                k, _ = w.step_at(now)
+                self.stream_from(r, now, r.prompt + int(w.emitted_at(r, k)))
+
+    # -- recovery -------------------------------------------------------------------------------------
+    def recover(self, r: SimRequest, failed: SimWorker, now: float) -> bool:
+        """Algorithm 2 for an interrupted request; False when no survivor is left."""
+        ir = InterruptedRequest(
+            rid=str(r.rid),
+            failed_worker=failed.id,
+            holders=tuple(h.id for h in r.holders),
+            durable_tokens=min(r.durable, r.context),
+            context_tokens=r.context,
+            remaining_tokens=r.output - r.emitted,
+        )
+        decision: Decision = dispatch(self.view(), ir, self.dispatch_params, self.cost)
+        if decision.worker is None:
+            return False
+        self.decisions[decision.action] += 1
+        target = self.by_id[decision.worker]
+        # the engine finds r's pages in its own store by prefix lookup, whatever the rule called it
+        restored = ir.durable_tokens if target in r.holders else 0
+        self.restored_tokens += restored
+        self.start(r, target, now, restored)
+        return True
+
+    # -- draft assist (Algorithm 3) ---------------------------------------------------------------
+    def repair(self, now: float) -> None:
+        drafters = [w.id for w in self.workers if w.state is WorkerState.DRAFT_READY]
+        if not drafters and not self.pairs:
+            return
+        new = pair_drafters(self.view(), drafters, self.pairs, self.pairing_params)
+        before, after = set(self.pairs.values()), set(new.values())
+        self.pairs = new
+        for wid in sorted(before - after):
+            self.by_id[wid].set_speculation(0, 1.0, now)
+        for wid in sorted(after - before):
+            target = self.by_id[wid]
+            k, wait = self._choose_k(target)
+            self.spec_ks.append(k)
+            target.set_speculation(k, expected_tokens_per_step(self.draft.agreement, k), now, wait)
+
+    def _choose_k(self, w: SimWorker) -> tuple[int, float]:
+        """k for target w's current batch, and the per-step wait for the drafter it implies."""
+        b = max(1, len(w.decode))
+        ctx = (w.a_sum + w.k * len(w.decode) * w.e) / b if w.decode else 1000.0
+        # one draft-model decode step for the whole batch (only with draft.drafter_latency)
+        draft_s = self.draft_step.step(b, b * ctx, b * ctx) if self.draft.drafter_latency else 0.0
+
+        def step(k: int) -> float:
+            return w.cost.step(b * (1 + k), b * ctx * (1 + k), b * ctx) + k * draft_s
+
+        d = self.draft
+        k = choose_k(d.agreement, d.k_min, d.k_max, step)
+        return k, k * draft_s
+
+    # -- metrics ----------------------------------------------------------------------------------------
+    def has_live_checkpoint(self, r: SimRequest, dead: set[SimWorker]) -> bool:
+        return r.durable > 0 and any(h not in dead for h in r.holders)
+
+
+def lag_per_token(kv_bytes_per_token: int, d2h_bw: float, network_bw: float) -> float:
+    """Seconds per token of KV from a serving GPU into a remote holder's host memory."""
+    return kv_bytes_per_token / d2h_bw + kv_bytes_per_token / network_bw

@@ -1,0 +1,94 @@
+"""summary.json and summary.md for `lumen sim`: per-mode metrics and ratios to the baselines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# the columns of the Markdown table: (key, header, format)
+COLUMNS = (
+    ("ttft_mean_s", "TTFT s", "{:.3f}"),
+    ("tpot_mean_s", "TPOT s", "{:.4f}"),
+    ("recovery_time_s", "recovery s", "{:.0f}"),
+    ("recovery_time_tpot_s", "recovery (TPOT) s", "{:.0f}"),
+    ("impact_ttft_mean_s", "impact TTFT s", "{:.3f}"),
+    ("impact_tpot_mean_s", "impact TPOT s", "{:.4f}"),
+    ("client_errors", "errors", "{}"),
+    ("interrupted", "interrupted", "{}"),
+    ("restores", "restores", "{}"),
+    ("replays", "replays", "{}"),
+    ("checkpoint_coverage", "coverage", "{:.2f}"),
+    ("holder_balance", "holder balance", "{:.2f}"),
+    ("acceptance_rate", "a", "{:.2f}"),
+    ("draft_k_mean", "k", "{:.1f}"),
+)
+RATIO_KEYS = (
+    ("ttft_mean_s", "TTFT"),
+    ("tpot_mean_s", "TPOT"),
+    ("recovery_time_s", "recovery"),
+    ("impact_ttft_mean_s", "impact TTFT"),
+    ("impact_tpot_mean_s", "impact TPOT"),
+)
+REFERENCES = ("stop_restart", "fixed_checkpoint")
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "–"
+    return fmt.format(value)
+
+
+def change(value: Any, ref: Any) -> str:
+    """Relative change in percent ('–' when either side is missing, 'never' for no recovery)."""
+    if value is None or ref is None:
+        return "–"
+    if ref == 0:
+        return "±0%" if value == 0 else "–"
+    return f"{(value / ref - 1) * 100:+.1f}%"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    modes: dict[str, dict[str, Any]] = summary["modes"]
+    lines = [
+        f"# {summary['scenario']}: {summary['workers']} workers, {summary['model']} on {summary['gpu']}",
+        "",
+        f"seed {summary['seed']}, {summary['requests']} requests over {summary['duration_s']:g} s"
+        + (f" at {summary['rate_rps']} req/s" if summary.get("rate_rps") else "")
+        + (f", failure at {summary['failure_at_s']:g} s" if summary.get("failure_at_s") is not None else "")
+        + f"; simulated (virtual) time, {summary['runs']} runs in {summary['wall_s']:.1f} s wall.",
+        "",
+        "| mode | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+        "|---|" + "---:|" * len(COLUMNS),
+    ]
+    for name, m in modes.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(m.get(k), f) for k, _, f in COLUMNS) + " |")
+    base = next(iter(modes.values()), {})
+    lines += [
+        "",
+        f"No-failure run: TTFT {_cell(base.get('baseline_ttft_mean_s'), '{:.3f}')} s, "
+        f"TPOT {_cell(base.get('baseline_tpot_mean_s'), '{:.4f}')} s "
+        "(recovery is measured against it; '–' recovery: not recovered by the end of the run).",
+    ]
+    for ref in REFERENCES:
+        if ref not in modes:
+            continue
+        lines += [
+            "",
+            f"Change vs `{ref}`:",
+            "",
+            "| mode | " + " | ".join(h for _, h in RATIO_KEYS) + " |",
+            "|---|" + "---:|" * len(RATIO_KEYS),
+        ]
+        for name, m in modes.items():
+            if name == ref:
+                continue
+            cells = [change(m.get(k), modes[ref].get(k)) for k, _ in RATIO_KEYS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    (out / "summary.md").write_text(markdown(summary))

@@ -1,0 +1,218 @@
+"""Runs a scenario in several recovery modes with one seed, plus the no-failure runs recovery time needs.
+
+A no-failure run depends on a mode only through checkpoint placement (holders' checkpoint load
+feeds the router's `L̂`); dispatch, failover and draft assist act only after a failure. So modes
+share a baseline by (checkpointing, placement): three baselines serve the seven evaluation modes.
+Every metric comes from `gateway.core.evaluation`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gateway.core import evaluation as ev
+from gateway.core.modes import RecoveryPolicy, policy_for
+from gateway.sim.scenario import SCENARIO_DIR, Scenario
+from gateway.sim.simulation import RunResult, Simulation
+from gateway.sim.workload import CONV_RATE, Workload, read_trace, synthetic
+
+REPO_ROOT = SCENARIO_DIR.parents[1]
+Progress = Callable[[float], None]
+
+
+@lru_cache(maxsize=4)
+def _trace(path: str, speedup: float) -> Workload:
+    return read_trace(path, speedup)
+
+
+def trace_path(scenario: Scenario) -> Path:
+    p = Path(scenario.workload.trace)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def build_workload(scenario: Scenario, seed: int) -> Workload:
+    """The scenario's requests for `seed` (the same for every mode)."""
+    w = scenario.workload
+    if w.source == "trace":
+        path = trace_path(scenario)
+        if path.exists():
+            return _trace(str(path), w.trace_speedup).head(w.duration_s)
+        if not w.fallback:
+            raise FileNotFoundError(f"trace {path} not found (workload.fallback = false)")
+        rate = CONV_RATE * w.trace_speedup
+    else:
+        rate = scenario.rate
+    return synthetic(np.random.default_rng(seed), rate, w.duration_s, w.burst_cv)
+
+
+def baseline_key(policy: RecoveryPolicy) -> tuple[bool, str]:
+    return (policy.checkpointing, policy.placement if policy.checkpointing else "")
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, digits)
+
+
+def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
+    """The per-mode summary of EVALUATION.md for a failure run and its no-failure twin."""
+    recs, ref = run.records, base.records
+    out: dict[str, Any] = {
+        "ttft_mean_s": _r(ev.mean_metric(recs, "ttft")),
+        "tpot_mean_s": _r(ev.mean_metric(recs, "tpot"), 5),
+        "baseline_ttft_mean_s": _r(ev.mean_metric(ref, "ttft")),
+        "baseline_tpot_mean_s": _r(ev.mean_metric(ref, "tpot"), 5),
+    }
+    fail = run.failure_at
+    rec_ttft = rec_tpot = None
+    impact = ev.Impact(None, None, 0)
+    if fail is not None:
+        rec_ttft = ev.recovery_time(recs, ref, fail, "ttft")
+        rec_tpot = ev.recovery_time(recs, ref, fail, "tpot")
+        impact = ev.failure_impact(recs, fail, rec_ttft)
+    o = ev.outcomes(recs)
+    s = run.stats
+    out.update(
+        recovery_time_s=_r(rec_ttft, 2),
+        recovery_time_tpot_s=_r(rec_tpot, 2),
+        impact_ttft_mean_s=_r(impact.mean_ttft),
+        impact_tpot_mean_s=_r(impact.mean_tpot, 5),
+        impact_requests=impact.requests,
+        client_errors=o.errors,
+        requests=o.total,
+        interrupted=o.interrupted,
+        resume_delay_mean_s=_r(ev.mean(r.resume_delay for r in recs)),
+        checkpoint_coverage=_r(s.coverage),
+        holder_balance=_r(s.holder_balance, 3),
+        restores=s.restores,
+        replays=s.replays,
+        restored_tokens=s.restored_tokens,
+        acceptance_rate=s.acceptance_rate,
+        draft_k_mean=_r(s.draft_k_mean, 2),
+        draft_pairings=s.pairings,
+        simulated_s=round(run.simulated_s, 2),
+        events=s.events,
+    )
+    return out
+
+
+@dataclass
+class ScenarioReport:
+    scenario: Scenario
+    seed: int
+    modes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    runs: dict[str, RunResult] = field(default_factory=dict)
+    baselines: dict[tuple[bool, str], RunResult] = field(default_factory=dict)
+    wall_s: float = 0.0
+    requests: int = 0
+
+    def baseline_for(self, mode: str) -> RunResult:
+        return self.baselines[baseline_key(policy_for(mode))]
+
+    def summary(self) -> dict[str, Any]:
+        s = self.scenario
+        runs = [*self.runs.values(), *self.baselines.values()]
+        return {
+            "scenario": s.name,
+            "workers": s.cluster.workers,
+            "model": s.cluster.model,
+            "gpu": s.cluster.gpu,
+            "seed": self.seed,
+            "rate_rps": round(s.rate, 3) if s.workload.source == "synthetic" else None,
+            "requests": self.requests,
+            "duration_s": s.workload.duration_s,
+            "failure_at_s": s.failure_at,
+            "simulated_s": round(max((r.simulated_s for r in runs), default=0.0), 2),
+            "wall_s": round(self.wall_s, 2),
+            "runs": len(runs),
+            "clock": "simulated (virtual) seconds; wall_s is this machine's CPU time",
+            "modes": self.modes,
+        }
+
+
+def with_duration(scenario: Scenario, duration_s: float | None) -> Scenario:
+    if duration_s is None:
+        return scenario
+    return replace(scenario, workload=replace(scenario.workload, duration_s=duration_s))
+
+
+def run_scenario(
+    scenario: Scenario,
+    modes: Sequence[str],
+    seed: int,
+    progress: Callable[[int, int, str, float], None] | None = None,
+) -> ScenarioReport:
+    """Every mode with failures, and each baseline they need, on one workload.
+
+    `progress(run_index, runs, label, simulated_time)` is called as runs advance.
+    """
+    policies = {m: policy_for(m) for m in modes}
+    keys = sorted({baseline_key(p) for p in policies.values()})
+    start = time.perf_counter()
+    workload = build_workload(scenario, seed)
+    report = ScenarioReport(scenario, seed, requests=len(workload))
+    total = len(keys) + (len(modes) if scenario.failures else 0)
+    done = 0
+
+    def tracker(label: str) -> Progress | None:
+        if progress is None:
+            return None
+        index = done
+        return lambda t: progress(index, total, label, t)
+
+    for key in keys:
+        mode = next(m for m, p in policies.items() if baseline_key(p) == key)
+        sim = Simulation(scenario, policies[mode], workload, seed, failures=False)
+        report.baselines[key] = sim.run(tracker(f"baseline({mode})"))
+        done += 1
+    for m, policy in policies.items():
+        base = report.baselines[baseline_key(policy)]
+        if scenario.failures:
+            run = Simulation(scenario, policy, workload, seed).run(tracker(m))
+            done += 1
+        else:
+            run = base
+        report.runs[m] = run
+        report.modes[m] = metrics(run, base)
+    report.wall_s = time.perf_counter() - start
+    if progress is not None:
+        progress(total, total, "done", 0.0)
+    return report
+
+
+def calibrate_rate(
+    scenario: Scenario,
+    target_ttft_s: float,
+    seed: int,
+    lo: float = 0.1,
+    hi: float | None = None,
+    iters: int = 14,
+) -> tuple[float, float]:
+    """The arrival rate whose no-failure mean TTFT (mode stop_restart) is closest to the target.
+
+    Bisection: mean TTFT grows with the rate. Returns (rate, its mean TTFT).
+    """
+    policy = policy_for("stop_restart")
+
+    def ttft(rate: float) -> float:
+        s = replace(scenario, workload=replace(scenario.workload, source="synthetic", rate=rate), failures=())
+        run = Simulation(s, policy, build_workload(s, seed), seed, failures=False).run()
+        value = ev.mean_metric(run.records, "ttft")
+        return math.inf if value is None else value
+
+    hi = hi or max(1.0, scenario.rate * 4)
+    best = (lo, ttft(lo))
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        value = ttft(mid)
+        if abs(value - target_ttft_s) < abs(best[1] - target_ttft_s):
+            best = (mid, value)
+        lo, hi = (mid, hi) if value < target_ttft_s else (lo, mid)
+    return best

@@ -1,0 +1,249 @@
+"""Simulator scenarios (EVALUATION.md "Scenarios"): a cluster, a workload, failures, and knobs.
+
+A scenario is a TOML file in `configs/scenarios/` (or any path). Every table and key is optional
+except `cluster.workers`; unknown keys and wrong types are errors that name the key. Workers are
+`w0 … w{N−1}`; with D failure domains, worker i is in domain `d{i·D // N}` (contiguous blocks, as
+racks are, so a worker's ring successor usually shares its domain).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from gateway.core.costmodel import GPUS, MODELS
+
+SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    workers: int = 4
+    model: str = "Qwen3-32B"
+    gpu: str = "H100-80G"
+    tp: int = 0  # 0: the model preset's default
+    draft_model: str = "Qwen3-1.7B"
+    failure_domains: int = 1
+    max_running_requests: int = 64  # batch limit, also the nominal batch of the load estimate
+    chunked_prefill_size: int = 8192
+    page_size: int = 64
+    kv_capacity_tokens: int = 0  # 0: from the cost model
+    ckpt_budget_bytes: int = 64 * GiB  # host DRAM per holder
+    network_bw: float = 25e9  # bytes/s between workers (checkpoint pages); 200 Gb/s
+    model_load_s: float = -1.0  # full model reload; < 0: from the cost model
+    draft_load_s: float = -1.0  # draft model load (with engine start-up); < 0: from the cost model
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    source: Literal["synthetic", "trace"] = "synthetic"
+    rate: float = 0.0  # requests/s for the whole cluster; 0: rate_per_worker × workers
+    rate_per_worker: float = 0.0
+    burst_cv: float = 1.0  # coefficient of variation of inter-arrival times (1: Poisson)
+    duration_s: float = 240.0
+    trace: str = ""  # CSV path (relative to the repository root, or absolute)
+    trace_speedup: float = 1.0
+    fallback: bool = True  # trace missing: use the synthetic generator at the trace's rate × speedup
+
+
+@dataclass(frozen=True, slots=True)
+class FailureSpec:
+    at_s: float = 60.0
+    kind: Literal["kill", "slow"] = "kill"
+    # victims: explicit ids, or a seeded random fraction of the workers, or a failure domain, or the
+    # worker holding most checkpoints of a worker that failed earlier (ring successor without any)
+    workers: tuple[str, ...] = ()
+    fraction: float = 0.0
+    domain: str = ""
+    holder_of: str = ""
+    slowdown: float = 5.0  # kind = "slow": step time multiplier
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverySpec:
+    detection_s: float = 0.06
+    restart: bool = True
+    alpha: float = 1.0
+    beta: float = 1.0
+    theta: float = 2.0
+    theta_mode: Literal["relative", "absolute"] = "relative"
+    tau: int = 512
+    replicas: int = 1
+    exclude_failure_domain: bool = False  # applies to load-aware placement only (not the DéjàVu ring)
+    service_steps: int = 64
+    no_worker_wait_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSpec:
+    agreement: float = 0.7  # per-token acceptance rate a of the draft model
+    k_min: int = 1
+    k_max: int = 8
+    hysteresis: float = 0.25
+    max_drafters_per_target: int = 1
+    # false (default): a drafted step costs only the verification of k extra tokens per request;
+    # true: the target also waits, every step, for the drafter's k draft-model decode steps
+    drafter_latency: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str = "unnamed"
+    description: str = ""
+    seed: int = 1
+    sample_s: float = 1.0  # sampling period of the time series (queue depth, checkpoint load)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    recovery: RecoverySpec = field(default_factory=RecoverySpec)
+    draft: DraftSpec = field(default_factory=DraftSpec)
+    failures: tuple[FailureSpec, ...] = ()
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return [f"w{i}" for i in range(self.cluster.workers)]
+
+    def domain_of(self, index: int) -> str:
+        return f"d{index * self.cluster.failure_domains // self.cluster.workers}"
+
+    @property
+    def rate(self) -> float:
+        w = self.workload
+        return w.rate if w.rate > 0 else w.rate_per_worker * self.cluster.workers
+
+    @property
+    def failure_at(self) -> float | None:
+        return min((f.at_s for f in self.failures), default=None)
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be used; the message names the key."""
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value not in get_args(hint):
+            raise ScenarioError(f"{where}: must be one of {get_args(hint)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ScenarioError(f"{where}: must be a list of strings, got {value!r}")
+        return tuple(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ScenarioError(f"{where}: must be a number, got {value!r}")
+        return float(value)
+    if hint is int or hint is bool or hint is str:
+        if type(value) is not hint:
+            raise ScenarioError(f"{where}: must be {hint.__name__}, got {value!r}")
+        return value
+    raise ScenarioError(f"{where}: unsupported type {hint}")  # pragma: no cover - schema bug
+
+
+def _build(cls: type[Any], table: Any, where: str) -> Any:
+    if not isinstance(table, dict):
+        raise ScenarioError(f"{where}: must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ScenarioError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    kwargs = {}
+    for name, value in table.items():
+        key = f"{where}.{name}" if where else name
+        hint = hints[name]
+        if isinstance(hint, type) and is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key)
+        elif name == "failures":
+            if not isinstance(value, list):
+                raise ScenarioError(f"{key}: must be an array of tables ([[failures]])")
+            kwargs[name] = tuple(_build(FailureSpec, v, f"{key}[{i}]") for i, v in enumerate(value))
+        else:
+            kwargs[name] = _coerce(value, hint, key)
+    return cls(**kwargs)
+
+
+def parse_scenario(data: dict[str, Any], name: str = "unnamed") -> Scenario:
+    data = {"name": name, **data}
+    scenario: Scenario = _build(Scenario, data, "")
+    validate(scenario)
+    return scenario
+
+
+def validate(s: Scenario) -> None:
+    c, w, r, d = s.cluster, s.workload, s.recovery, s.draft
+    checks = [
+        (c.workers >= 1, "cluster.workers must be >= 1"),
+        (c.model in MODELS, f"cluster.model: unknown preset {c.model!r}; known: {sorted(MODELS)}"),
+        (c.draft_model in MODELS, f"cluster.draft_model: unknown preset {c.draft_model!r}"),
+        (c.gpu in GPUS, f"cluster.gpu: unknown preset {c.gpu!r}; known: {sorted(GPUS)}"),
+        (c.tp >= 0, "cluster.tp must be >= 0"),
+        (1 <= c.failure_domains <= c.workers, "cluster.failure_domains must be in [1, workers]"),
+        (
+            c.max_running_requests >= 1 and c.chunked_prefill_size >= 1 and c.page_size >= 1,
+            "cluster.max_running_requests, chunked_prefill_size and page_size must be >= 1",
+        ),
+        (c.kv_capacity_tokens >= 0 and c.ckpt_budget_bytes >= 0, "cluster capacities must be >= 0"),
+        (c.network_bw > 0, "cluster.network_bw must be > 0"),
+        (w.source == "trace" or s.rate > 0, "workload: set rate or rate_per_worker (> 0)"),
+        (w.source == "synthetic" or w.trace != "", "workload.trace: a trace source needs a path"),
+        (
+            w.burst_cv > 0 and w.duration_s > 0 and w.trace_speedup > 0,
+            "workload.burst_cv, duration_s and trace_speedup must be > 0",
+        ),
+        (r.detection_s >= 0 and r.no_worker_wait_s >= 0, "recovery times must be >= 0"),
+        (r.replicas in (1, 2), "recovery.replicas must be 1 or 2"),
+        (r.theta >= 0 and r.tau >= 0, "recovery.theta and recovery.tau must be >= 0"),
+        (0.0 <= d.agreement <= 1.0, "draft.agreement must be in [0, 1]"),
+        (0 <= d.k_min <= d.k_max, "draft: need 0 <= k_min <= k_max"),
+        (s.sample_s > 0, "sample_s must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ScenarioError(message)
+    ids = set(s.worker_ids)
+    domains = {s.domain_of(i) for i in range(c.workers)}
+    for i, f in enumerate(s.failures):
+        where = f"failures[{i}]"
+        chosen = sum(bool(x) for x in (f.workers, f.fraction, f.domain, f.holder_of))
+        if chosen != 1:
+            raise ScenarioError(f"{where}: set exactly one of workers, fraction, domain, holder_of")
+        bad = [x for x in (*f.workers, *([f.holder_of] if f.holder_of else [])) if x not in ids]
+        if bad:
+            raise ScenarioError(f"{where}: unknown worker(s) {bad}; workers are w0..w{c.workers - 1}")
+        if f.domain and f.domain not in domains:
+            raise ScenarioError(f"{where}.domain: unknown domain {f.domain!r}; known: {sorted(domains)}")
+        if not (0 <= f.fraction <= 1 and f.at_s >= 0 and f.slowdown >= 1):
+            raise ScenarioError(f"{where}: need 0 <= fraction <= 1, at_s >= 0, slowdown >= 1")
+
+
+def scenario_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        return p
+    return SCENARIO_DIR / f"{name_or_path}.toml"
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A scenario by name (configs/scenarios/NAME.toml) or by path."""
+    path = scenario_path(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        known = ", ".join(scenario_names()) or "none"
+        raise ScenarioError(f"no scenario {name_or_path!r} (looked for {path}); known: {known}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{path}: {exc}") from exc
+    name = data.pop("name", path.stem)
+    return parse_scenario(data, name=name if isinstance(name, str) else path.stem)
+
+
+def scenario_names() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))

@@ -1,0 +1,351 @@
+"""One simulated run: a scenario's cluster and workload in one recovery mode, with or without failures.
+
+The event loop pops events in (time, sequence) order and hands them to the workers (engine steps,
+restores) or to the gateway side (arrivals, failures, detection, restarts, periodic sampling).
+
+Failure model: a killed worker loses its requests' KV and its capacity at once; the gateway detects
+it `detection_s` later (requests it routes there meanwhile are lost too), dispatches every lost
+request (or, in mode `none`, fails it), and restarts the worker as a new incarnation. The restart
+loads the full model (`load_time`), or with draft assist the draft model first (DRAFT_READY: it
+drafts for the survivor Algorithm 3 picks) and then the full weights with no second engine start.
+A `slow` failure multiplies one worker's step times without killing it (a gray failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.core.costmodel import CostModel
+from gateway.core.dispatch import DispatchParams
+from gateway.core.evaluation import RequestRecord, checkpoint_coverage, holder_balance
+from gateway.core.health import WorkerState
+from gateway.core.holders import HolderParams, ring_key
+from gateway.core.modes import RecoveryPolicy
+from gateway.core.pairing import PairingParams
+from gateway.core.types import LoadParams
+from gateway.sim import events as ev
+from gateway.sim.coordinator import Coordinator, lag_per_token
+from gateway.sim.events import EventQueue
+from gateway.sim.request import SimRequest
+from gateway.sim.scenario import FailureSpec, Scenario
+from gateway.sim.stepcost import StepCost
+from gateway.sim.worker import SimWorker
+from gateway.sim.workload import Workload
+
+S = WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    restores: int
+    replays: int
+    restored_tokens: int
+    coverage: float | None  # killed workers' running requests with a live checkpoint
+    holder_balance: float | None  # max/min checkpoint tokens over HEALTHY workers at the first kill
+    acceptance_rate: float | None  # draft assist: the draft model's per-token acceptance (if used)
+    draft_k_mean: float | None
+    pairings: int
+    events: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    records: tuple[RequestRecord, ...]
+    failure_at: float | None
+    simulated_s: float
+    worker_ids: tuple[str, ...]
+    sample_times: np.ndarray  # (T,)
+    queue: np.ndarray  # (T, N) requests running + waiting per worker
+    ckpt_tokens: np.ndarray  # (T, N) checkpoint tokens each worker holds for others
+    stats: RunStats
+
+
+def resolve_victims(scenario: Scenario, seed: int) -> list[list[str]]:
+    """Victims of each failure that do not depend on the run (holder_of is resolved when it strikes)."""
+    rng = np.random.default_rng([seed, 7919])
+    ids = scenario.worker_ids
+    out: list[list[str]] = []
+    for f in scenario.failures:
+        if f.workers:
+            out.append(list(f.workers))
+        elif f.domain:
+            out.append([w for i, w in enumerate(ids) if scenario.domain_of(i) == f.domain])
+        elif f.fraction:
+            n = max(1, round(f.fraction * len(ids)))
+            out.append(sorted((ids[i] for i in rng.choice(len(ids), n, replace=False)), key=ring_key))
+        else:
+            out.append([])
+    return out
+
+
+class Simulation:
+    def __init__(
+        self, scenario: Scenario, policy: RecoveryPolicy, workload: Workload, seed: int, failures: bool = True
+    ) -> None:
+        c, rec = scenario.cluster, scenario.recovery
+        self.scenario, self.policy, self.seed = scenario, policy, seed
+        self.cost = CostModel.preset(c.model, c.gpu, c.tp or None)
+        draft_cost = CostModel.preset(c.draft_model, c.gpu)
+        self.full_load_s = c.model_load_s if c.model_load_s >= 0 else self.cost.load_time()
+        self.draft_load_s = c.draft_load_s if c.draft_load_s >= 0 else draft_cost.load_time()
+        self.weights_load_s = self.cost.load_time(engine_startup_s=0.0)  # after the draft: no restart
+        kv_capacity = c.kv_capacity_tokens or self.cost.kv_capacity_tokens()
+        self.queue = EventQueue()
+        step = StepCost(self.cost)
+        restore_s = self.cost.restore_time(1)
+        self.workers = [
+            SimWorker(
+                self,
+                wid,
+                scenario.domain_of(i),
+                step,
+                restore_s,
+                c.max_running_requests,
+                c.chunked_prefill_size,
+                kv_capacity,
+                c.ckpt_budget_bytes,
+            )
+            for i, wid in enumerate(scenario.worker_ids)
+        ]
+        load = LoadParams(rec.alpha, rec.beta, c.max_running_requests)
+        exclude = rec.exclude_failure_domain and policy.placement == "load_aware"
+        kvb = self.cost.model.kv_bytes_per_token
+        self.coord = Coordinator(
+            self.workers,
+            policy,
+            self.cost,
+            load,
+            HolderParams(load, rec.replicas, exclude, policy.placement),
+            DispatchParams(load, policy.dispatch, rec.theta, rec.theta_mode, rec.tau, rec.service_steps),
+            PairingParams(load, scenario.draft.hysteresis, scenario.draft.max_drafters_per_target),
+            scenario.draft,
+            StepCost(draft_cost),
+            kvb,
+            c.page_size,
+            lag_per_token(kvb, self.cost.gpu.d2h_bw * self.cost.tp, c.network_bw),
+        )
+        self.failures: tuple[FailureSpec, ...] = scenario.failures if failures else ()
+        self.victims = resolve_victims(scenario, seed)
+        self.tallies: dict[str, dict[str, int]] = {}
+        self.coverage_flags: list[bool] = []
+        self.balance: float | None = None
+        self.balance_taken = False
+        self.workload = workload
+        self._arrivals = workload.arrivals.tolist()
+        self._prompts = workload.prompts.tolist()
+        self._outputs = workload.outputs.tolist()
+        self.requests: list[SimRequest] = []
+        self.open = 0
+        self.gw_waiting: list[SimRequest] = []
+        self.samples: list[tuple[float, list[int], list[int]]] = []
+        self.now = 0.0
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
+        q = self.queue
+        if self._arrivals:
+            q.push(self._arrivals[0], ev.ARRIVAL, 0)
+        for i, f in enumerate(self.failures):
+            q.push(f.at_s, ev.KILL, i)
+        q.push(0.0, ev.TICK)
+        events = 0
+        while len(q):
+            t, _, kind, a, b = q.pop()
+            self.now = t
+            events += 1
+            if kind == ev.STEP:
+                a.on_step(t, b)
+            elif kind == ev.ARRIVAL:
+                self._arrival(a, t)
+            elif kind == ev.RESTORED:
+                r, inc = b
+                if a.incarnation == inc and r in a.restoring:
+                    a.on_restored(r, t)
+            elif kind == ev.TICK:
+                self._tick(t)
+            elif kind == ev.KILL:
+                self._strike(a, t)
+            elif kind == ev.DETECT:
+                self._detect(a, t)
+            elif kind == ev.PHASE:
+                self._phase(a, b, t)
+            elif kind == ev.GIVE_UP and a in self.gw_waiting:
+                self.gw_waiting.remove(a)
+                self._fail(a, t)
+            if progress is not None and not events & 4095:
+                progress(t)
+        return self._result(events)
+
+    def _arrival(self, i: int, now: float) -> None:
+        r = SimRequest(i, now, self._prompts[i], self._outputs[i])
+        self.requests.append(r)
+        self.open += 1
+        if i + 1 < len(self._arrivals):
+            self.queue.push(self._arrivals[i + 1], ev.ARRIVAL, i + 1)
+        if not self.coord.route(r, now):
+            self._wait(r, now)
+
+    def _tick(self, now: float) -> None:
+        self.samples.append(
+            (
+                now,
+                [w.running + len(w.waiting) if w.alive else 0 for w in self.workers],
+                [w.ckpt_tokens for w in self.workers],
+            )
+        )
+        self.coord.repair(now)
+        if self.open or len(self.requests) < len(self._arrivals):
+            self.queue.push(now + self.scenario.sample_s, ev.TICK)
+
+    # -- engine callbacks (EngineHost) --------------------------------------------------------------
+    def on_prefilled(self, r: SimRequest, now: float) -> None:
+        r.emitted += 1
+        if r.first_token is None:
+            r.first_token = now
+        if r.awaiting_resume:
+            r.awaiting_resume = False
+            if r.last_before is not None:
+                r.resume_delay = now - r.last_before
+        r.last_token = now
+        self.coord.stream_from(r, now, r.context - 1)
+
+    def on_finished(self, r: SimRequest, now: float) -> None:
+        r.done = True
+        r.last_token = now
+        self.coord.release(r)
+        self.open -= 1
+
+    def on_rejected(self, r: SimRequest, now: float) -> None:
+        self._fail(r, now)  # larger than a worker's whole KV cache
+
+    def _fail(self, r: SimRequest, now: float) -> None:
+        r.error = True
+        r.done = True
+        self.coord.release(r)
+        self.open -= 1
+
+    def _wait(self, r: SimRequest, now: float) -> None:
+        """No HEALTHY worker: wait at the gateway for one (live gateway: `no_worker_wait_s`)."""
+        r.worker = None
+        self.gw_waiting.append(r)
+        self.queue.push(now + self.scenario.recovery.no_worker_wait_s, ev.GIVE_UP, r)
+
+    # -- failures ---------------------------------------------------------------------------------
+    def _strike(self, index: int, now: float) -> None:
+        f = self.failures[index]
+        ids = self.victims[index] or [self._top_holder(f.holder_of)]
+        victims = [self.coord.by_id[wid] for wid in ids if self.coord.by_id[wid].alive]
+        if f.kind == "slow":
+            for w in victims:
+                w.set_slowdown(f.slowdown, now)
+            return
+        if not self.balance_taken and self.policy.checkpointing:
+            self.balance_taken = True
+            self.balance = holder_balance(w.ckpt_tokens for w in self.workers if w.state is S.HEALTHY)
+        dead = set(victims)
+        for w in victims:
+            self.coord.freeze(w)
+            tally: dict[str, int] = {}
+            running = [*w.decode.values(), *w.prefill_q, *w.restoring]
+            for r in running:
+                r.durable = self.coord.durable_at(r, now)
+                self.coverage_flags.append(self.coord.has_live_checkpoint(r, dead))
+                for h in r.holders:
+                    tally[h.id] = tally.get(h.id, 0) + 1
+            self.tallies[w.id] = tally
+            for r in w.kill(now):
+                self._interrupt(r)
+        detect_at = now + self.scenario.recovery.detection_s
+        self.queue.push(detect_at, ev.DETECT, tuple((w, w.incarnation) for w in victims))
+
+    @staticmethod
+    def _interrupt(r: SimRequest) -> None:
+        r.interrupted = True
+        r.awaiting_resume = True
+        r.last_before = r.last_token
+
+    def _top_holder(self, of: str) -> str:
+        """The worker that held most of `of`'s checkpoints when it failed (its ring successor if none)."""
+        tally = self.tallies.get(of, {})
+        if tally:
+            return min(tally, key=lambda h: (-tally[h], ring_key(h)))
+        ids = sorted(self.coord.by_id, key=ring_key)
+        return ids[(ids.index(of) + 1) % len(ids)]
+
+    def _detect(self, group: tuple[tuple[SimWorker, int], ...], now: float) -> None:
+        failed = [w for w, inc in group if w.incarnation == inc and not w.alive]
+        coord = self.coord
+        for w in failed:
+            coord.set_state(w, S.FAILED)
+        for w in failed:
+            coord.holder_failed(w, now)
+        lost: list[tuple[SimRequest, SimWorker]] = []
+        for w in failed:
+            for r in w.lost[w.lost_at_kill :]:  # routed to it after it died: lost as well
+                self._interrupt(r)
+            lost.extend((r, w) for r in w.lost)
+            w.lost, w.lost_at_kill = [], 0
+        lost.sort(key=lambda x: x[0].rid)
+        for r, w in lost:
+            if r.done:
+                continue
+            if not self.policy.failover:
+                self._fail(r, now)
+            elif not coord.recover(r, w, now):
+                self._wait(r, now)
+        if not self.scenario.recovery.restart:
+            return
+        for w in failed:
+            w.restart()
+            coord.set_state(w, S.RESTARTING)
+            if self.policy.draft_assist:
+                ready = now + self.draft_load_s
+                self.queue.push(ready, ev.PHASE, w, (w.incarnation, S.DRAFT_READY))
+                self.queue.push(ready + self.weights_load_s, ev.PHASE, w, (w.incarnation, S.HEALTHY))
+            else:
+                self.queue.push(now + self.full_load_s, ev.PHASE, w, (w.incarnation, S.HEALTHY))
+
+    def _phase(self, w: SimWorker, b: tuple[int, WorkerState], now: float) -> None:
+        incarnation, state = b
+        if w.incarnation != incarnation or not w.alive:
+            return
+        self.coord.set_state(w, state)
+        self.coord.repair(now)
+        if state is S.HEALTHY and self.gw_waiting:
+            waiting, self.gw_waiting = self.gw_waiting, []
+            for r in waiting:
+                if not self.coord.route(r, now):
+                    self.gw_waiting.append(r)
+
+    # -- results ------------------------------------------------------------------------------------
+    def _result(self, events: int) -> RunResult:
+        if self.open:
+            raise RuntimeError(f"{self.open} requests neither completed nor failed")  # conservation
+        times = np.array([s[0] for s in self.samples])
+        queue = np.array([s[1] for s in self.samples], dtype=np.int64).reshape(len(times), -1)
+        ckpt = np.array([s[2] for s in self.samples], dtype=np.int64).reshape(len(times), -1)
+        ks = self.coord.spec_ks
+        stats = RunStats(
+            restores=self.coord.decisions["restore"],
+            replays=self.coord.decisions["replay"],
+            restored_tokens=self.coord.restored_tokens,
+            coverage=checkpoint_coverage(self.coverage_flags) if self.policy.checkpointing else None,
+            holder_balance=self.balance,
+            acceptance_rate=self.scenario.draft.agreement if ks else None,
+            draft_k_mean=sum(ks) / len(ks) if ks else None,
+            pairings=len(ks),
+            events=events,
+        )
+        return RunResult(
+            records=tuple(r.record() for r in self.requests),
+            failure_at=min((f.at_s for f in self.failures), default=None),
+            simulated_s=self.now,
+            worker_ids=tuple(w.id for w in self.workers),
+            sample_times=times,
+            queue=queue,
+            ckpt_tokens=ckpt,
+            stats=stats,
+        )

@@ -1,0 +1,177 @@
+"""`lumen tune`: sensitivity of recovery to the dispatch threshold θ and the prefix length τ.
+
+Every (θ, τ) cell (for each α/β pair and, optionally, the cost rule) runs the scenario with its
+failures on the same workload and seed. θ, τ and the rule only act after a failure, so one
+no-failure run per (α, β) serves every cell.
+
+Cells are ranked by the mean TTFT of requests arriving in a fixed window after the failure,
+[failure, failure + H] with H the longest recovery time in the grid (the run's end if none
+recovered): unlike the failure-impact TTFT, whose window is each cell's own recovery time, it
+compares every cell over the same requests. Ties go to the shorter recovery time. The margin of the
+recommendation is how much worse its θ/τ grid neighbours are (relative increase of the score): a
+small margin means a flat optimum, i.e. the choice hardly matters there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gateway.core import evaluation as ev
+from gateway.core.modes import DispatchRule, policy_for
+from gateway.sim.runner import build_workload
+from gateway.sim.scenario import Scenario
+from gateway.sim.simulation import RunResult, Simulation
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    thetas: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0)
+    taus: tuple[int, ...] = (0, 128, 256, 512, 1024, 2048)
+    alphas: tuple[float, ...] = (1.0,)
+    betas: tuple[float, ...] = (1.0,)
+    rules: tuple[str, ...] = ("threshold",)
+
+    def __post_init__(self) -> None:
+        if not (self.thetas and self.taus and self.alphas and self.betas and self.rules):
+            raise ValueError("every grid axis needs at least one value")
+        bad = [r for r in self.rules if r not in ("threshold", "cost")]
+        if bad:
+            raise ValueError(f"rules must be threshold or cost, got {bad}")
+
+    @property
+    def runs(self) -> int:
+        per_ab = len(self.thetas) * len(self.taus) * ("threshold" in self.rules) + ("cost" in self.rules)
+        return len(self.alphas) * len(self.betas) * (1 + per_ab)
+
+
+def _score(run: RunResult, horizon: float) -> float | None:
+    assert run.failure_at is not None
+    end = run.failure_at + horizon
+    return ev.mean_metric([r for r in run.records if run.failure_at <= r.arrival <= end], "ttft")
+
+
+def tune(
+    scenario: Scenario,
+    grid: Grid,
+    seed: int,
+    mode: str = "lumen",
+    progress: Callable[[int, int, str, float], None] | None = None,
+) -> dict[str, Any]:
+    if not scenario.failures:
+        raise ValueError(f"scenario {scenario.name!r} has no failures: nothing to tune")
+    start = time.perf_counter()
+    base_policy = policy_for(mode)
+    workload = build_workload(scenario, seed)
+    total, done = grid.runs, 0
+    rows: list[tuple[dict[str, Any], RunResult, RunResult]] = []
+
+    def run(s: Scenario, rule: DispatchRule, label: str, failures: bool) -> RunResult:
+        nonlocal done
+        policy = replace(base_policy, dispatch=rule)
+        report = None if progress is None else (lambda t: progress(done, total, label, t))
+        result = Simulation(s, policy, workload, seed, failures=failures).run(report)
+        done += 1
+        return result
+
+    for alpha in grid.alphas:
+        for beta in grid.betas:
+            rec = replace(scenario.recovery, alpha=alpha, beta=beta)
+            s_ab = replace(scenario, recovery=rec)
+            base = run(s_ab, "threshold", f"baseline α={alpha:g} β={beta:g}", failures=False)
+            cells: list[tuple[DispatchRule, float | None, int | None]] = []
+            if "threshold" in grid.rules:
+                cells += [("threshold", t, u) for t in grid.thetas for u in grid.taus]
+            if "cost" in grid.rules:
+                cells.append(("cost", None, None))
+            for rule, theta, tau in cells:
+                s = s_ab
+                if theta is not None and tau is not None:
+                    s = replace(s_ab, recovery=replace(rec, theta=theta, tau=tau))
+                result = run(s, rule, f"θ={theta} τ={tau} {rule}", failures=True)
+                point: dict[str, Any] = {
+                    "theta": theta,
+                    "tau": tau,
+                    "alpha": alpha,
+                    "beta": beta,
+                    "rule": rule,
+                }
+                rows.append((point, result, base))
+
+    recoveries: list[float] = []
+    for point, result, base in rows:
+        assert result.failure_at is not None
+        point["recovery_time_s"] = ev.recovery_time(result.records, base.records, result.failure_at, "ttft")
+        point["recovery_time_tpot_s"] = ev.recovery_time(
+            result.records, base.records, result.failure_at, "tpot"
+        )
+        impact = ev.failure_impact(result.records, result.failure_at, point["recovery_time_s"])
+        point["impact_ttft_mean_s"] = impact.mean_ttft
+        point["impact_tpot_mean_s"] = impact.mean_tpot
+        point["restores"], point["replays"] = result.stats.restores, result.stats.replays
+        point["client_errors"] = ev.outcomes(result.records).errors
+        rec_s = point["recovery_time_s"]
+        if rec_s is not None:
+            recoveries.append(rec_s)
+    horizon = max(recoveries) if recoveries else math.inf
+    for point, result, _ in rows:
+        point["score_ttft_s"] = _score(result, horizon)
+    points = [p for p, _, _ in rows]
+    best = min((p for p in points if p["rule"] == "threshold"), key=_rank, default=None) or min(
+        points, key=_rank
+    )
+    return {
+        "scenario": scenario.name,
+        "seed": seed,
+        "mode": mode,
+        "theta": list(grid.thetas),
+        "tau": list(grid.taus),
+        "alpha": list(grid.alphas),
+        "beta": list(grid.betas),
+        "rules": list(grid.rules),
+        "horizon_s": None if math.isinf(horizon) else horizon,
+        "objective": "score_ttft_s: mean TTFT of requests arriving in [failure, failure + horizon_s]",
+        "grid": [p for p in points if p["rule"] == "threshold"],
+        "cost_rule": [p for p in points if p["rule"] == "cost"],
+        "best": best,
+        "margin": margin(points, best, grid),
+        "wall_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def _rank(p: dict[str, Any]) -> tuple[float, float]:
+    score = p["score_ttft_s"]
+    rec = p["recovery_time_s"]
+    return (math.inf if score is None else score, math.inf if rec is None else rec)
+
+
+def margin(points: Sequence[dict[str, Any]], best: dict[str, Any], grid: Grid) -> dict[str, Any]:
+    """Relative score increase of the best cell's θ/τ neighbours (4-neighbourhood, same α/β/rule)."""
+    if best["rule"] != "threshold":
+        return {"min": None, "mean": None, "neighbours": []}
+    same = {
+        (p["theta"], p["tau"]): p
+        for p in points
+        if (p["alpha"], p["beta"], p["rule"]) == (best["alpha"], best["beta"], "threshold")
+    }
+    i, j = grid.thetas.index(best["theta"]), grid.taus.index(best["tau"])
+    out = []
+    for di, dj in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        a, b = i + di, j + dj
+        if 0 <= a < len(grid.thetas) and 0 <= b < len(grid.taus):
+            n = same[(grid.thetas[a], grid.taus[b])]
+            rel = None
+            if n["score_ttft_s"] is not None and best["score_ttft_s"]:
+                rel = n["score_ttft_s"] / best["score_ttft_s"] - 1
+            out.append(
+                {"theta": n["theta"], "tau": n["tau"], "score_ttft_s": n["score_ttft_s"], "worse_by": rel}
+            )
+    rels = [n["worse_by"] for n in out if n["worse_by"] is not None]
+    return {
+        "min": min(rels) if rels else None,
+        "mean": sum(rels) / len(rels) if rels else None,
+        "neighbours": out,
+    }

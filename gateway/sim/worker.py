@@ -1,0 +1,320 @@
+"""A simulated worker: continuous batching, paged KV admission, chunked prefill, restore, speculation.
+
+Time advances in whole engine steps. A step with prefill work (chunks of up to `chunk` tokens, FIFO)
+also decodes every running request, and is one event. Decode-only steps with an unchanged batch form
+a run, advanced in one event to the next step at which a request finishes (`stepcost.Run`); an
+arrival, a finished restore or a speculation change cuts the run at the end of the step in progress.
+So the work per event is O(1) plus O(requests that join or leave), never per token.
+
+Decoding requests are positioned on the worker's step counter `k`: request r emits `e` tokens per
+step (1, or the draft-assist mean) from step `r.k_join`, so at step k it has emitted
+`r.emitted_base + (k − r.k_join)·e` tokens; the batch's context sum is `A + k·B·e` with
+`A = Σ (r.ctx_base − r.k_join·e)`. Changing e re-bases every request at a step boundary.
+
+Admission reserves the request's final KV size (context + remaining output), as Lumen's engine does,
+so nothing is ever preempted; at most `max_running` requests run (restoring, prefilling, decoding).
+A restore copies the durable prefix host → GPU over the worker's one H2D link (copies queue FIFO),
+then the tail is prefilled; `prefill_left` is at least 1 (the last token is recomputed for logits).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Protocol
+
+from gateway.core.health import WorkerState
+from gateway.sim import events as ev
+from gateway.sim.events import EventQueue
+from gateway.sim.request import SimRequest
+from gateway.sim.stepcost import Run, StepCost
+
+IDLE, PREFILL, DECODE = 0, 1, 2
+
+
+class EngineHost(Protocol):
+    """What a worker reports to the simulation (the gateway side)."""
+
+    queue: EventQueue
+
+    def on_prefilled(self, r: SimRequest, now: float) -> None: ...
+    def on_finished(self, r: SimRequest, now: float) -> None: ...
+    def on_rejected(self, r: SimRequest, now: float) -> None: ...
+
+
+class SimWorker:
+    def __init__(
+        self,
+        host: EngineHost,
+        wid: str,
+        domain: str,
+        cost: StepCost,
+        restore_s_per_token: float,
+        max_running: int,
+        chunk: int,
+        kv_capacity: int,
+        ckpt_budget_bytes: int,
+    ) -> None:
+        self.host, self.id, self.domain, self.cost = host, wid, domain, cost
+        self.restore_s_per_token = restore_s_per_token
+        self.max_running, self.chunk, self.kv_capacity = max_running, chunk, kv_capacity
+        self.ckpt_budget_bytes = ckpt_budget_bytes
+        # gateway's view of it
+        self.state = WorkerState.HEALTHY
+        self.incarnation = 1
+        # checkpoint holder side: the requests whose KV pages this worker holds
+        self.held: set[SimRequest] = set()
+        self.ckpt_tokens = 0
+        self.ckpt_bytes = 0
+        self.alive = True
+        self.dirty = True  # the gateway's view of this worker is out of date
+        self.lost: list[SimRequest] = []
+        self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
+        self.slow = 1.0
+        # plan version: a STEP event for an older plan is stale; never reset, so events of a dead
+        # incarnation can never match a plan of the next one
+        self.version = 0
+        self._reset_engine()
+
+    def _reset_engine(self) -> None:
+        self.k = 0
+        self.e = 1.0  # tokens per step per decoding request
+        self.spec_k = 0  # drafted tokens verified per request per step
+        self.spec_wait_s = 0.0  # per step, waiting for the drafter (draft.drafter_latency)
+        self.pending_spec: tuple[int, float, float] | None = None
+        self.pending_slow: float | None = None
+        self.decode: dict[int, SimRequest] = {}
+        self.finish_heap: list[tuple[int, int]] = []
+        self.a_sum = 0.0
+        self.prefill_q: deque[SimRequest] = deque()
+        self.waiting: deque[SimRequest] = deque()
+        self.restoring: set[SimRequest] = set()
+        self.running = 0
+        self.kv_used = 0
+        self.h2d_free = 0.0
+        self.busy = IDLE
+        self.seg_start = 0.0
+        self.seg_steps = 0
+        self.run: Run | None = None
+        self.chunks: list[tuple[SimRequest, int]] = []
+
+    # -- work arriving ---------------------------------------------------------------------------
+    def enqueue(self, r: SimRequest, now: float) -> None:
+        self.dirty = True
+        if not self.alive:
+            self.lost.append(r)  # sent to a dead worker the gateway has not yet declared failed
+            return
+        self.waiting.append(r)
+        self.kick(now)
+
+    def kick(self, now: float) -> None:
+        """New work: start a step when idle, or end the current decode run after its current step."""
+        if self.busy == IDLE:
+            self._plan(now)
+        elif self.busy == DECODE:
+            assert self.run is not None
+            done = self.run.steps_within((now - self.seg_start) / self.slow, self.seg_steps)
+            if done + 1 < self.seg_steps:
+                self.seg_steps = done + 1
+                self.version += 1
+                end = self.seg_start + self.run.time(done + 1) * self.slow
+                self.host.queue.push(end, ev.STEP, self, self.version)
+
+    def set_speculation(self, k: int, e: float, now: float, wait_s: float = 0.0) -> None:
+        """From the next step boundary: verify k drafts per request per step, emit e tokens per step on
+        average, and wait `wait_s` per step for the drafts."""
+        self.pending_spec = (k, e, wait_s)
+        self.kick(now)
+
+    def set_slowdown(self, factor: float, now: float) -> None:
+        self.pending_slow = factor
+        self.kick(now)
+
+    def on_restored(self, r: SimRequest, now: float) -> None:
+        self.restoring.discard(r)
+        self.prefill_q.append(r)
+        self.kick(now)
+
+    # -- steps -----------------------------------------------------------------------------------
+    def on_step(self, now: float, version: int) -> None:
+        if version != self.version or not self.alive:
+            return  # superseded by a cut, or the worker died
+        if self.busy == PREFILL:
+            self.k += 1
+            self._finish_due(now)
+            for r, n in self.chunks:
+                r.prefill_left -= n
+                r.kv_ctx += n
+                if r.prefill_left == 0:
+                    self.prefill_q.popleft()
+                    self._prefilled(r, now)
+            self.chunks = []
+        else:
+            self.k += self.seg_steps
+            self._finish_due(now)
+        self.busy = IDLE
+        self._plan(now)
+
+    def _plan(self, now: float) -> None:
+        if self.pending_spec is not None or self.pending_slow is not None:
+            self._apply_pending()
+        self._admit(now)
+        host = self.host
+        if self.prefill_q:
+            budget, new, attn, kv = self.chunk, 0, 0.0, 0.0
+            chunks = self.chunks
+            for r in self.prefill_q:
+                n = min(budget, r.prefill_left)
+                c = r.kv_ctx
+                chunks.append((r, n))
+                new += n
+                attn += n * (c + n / 2.0)
+                kv += c
+                budget -= n
+                if budget == 0:
+                    break
+            b = len(self.decode)
+            if b:
+                v = self.spec_k * b
+                ctx_sum = self.a_sum + self.k * b * self.e
+                new += b + v
+                attn += ctx_sum * (1.0 + v / b)
+                kv += ctx_sum
+            dt = self.cost.step(new, attn, kv) + (self.spec_wait_s if b else 0.0)
+            self.busy, self.seg_start, self.seg_steps = PREFILL, now, 1
+            self.version += 1
+            host.queue.push(now + dt * self.slow, ev.STEP, self, self.version)
+        elif self.decode:
+            heap = self.finish_heap
+            b = len(self.decode)
+            ctx_sum = self.a_sum + self.k * b * self.e
+            self.run = run = self.cost.decode_run(b, ctx_sum, b * self.e, self.spec_k * b, self.spec_wait_s)
+            self.busy, self.seg_start, self.seg_steps = DECODE, now, heap[0][0] - self.k
+            self.version += 1
+            host.queue.push(now + run.time(self.seg_steps) * self.slow, ev.STEP, self, self.version)
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and self.running < self.max_running:
+            r = self.waiting[0]
+            need = r.context + (r.output - r.emitted)
+            if need > self.kv_capacity:
+                self.waiting.popleft()
+                self.host.on_rejected(r, now)
+                continue
+            if self.kv_used + need > self.kv_capacity:
+                break  # FIFO: wait for KV to free up
+            self.waiting.popleft()
+            self.kv_used += need
+            r.kv_reserved = need
+            self.running += 1
+            self.dirty = True
+            ctx = r.context
+            r.prefill_left = max(1, ctx - r.restored)
+            r.kv_ctx = ctx - r.prefill_left
+            if r.kv_ctx > 0:
+                start = max(now, self.h2d_free)
+                self.h2d_free = start + r.kv_ctx * self.restore_s_per_token
+                self.restoring.add(r)
+                self.host.queue.push(self.h2d_free, ev.RESTORED, self, (r, self.incarnation))
+            else:
+                self.prefill_q.append(r)
+
+    def _prefilled(self, r: SimRequest, now: float) -> None:
+        self.host.on_prefilled(r, now)  # emits the attempt's first token
+        rem = r.output - r.emitted
+        if rem <= 0:
+            self._release(r)
+            self.host.on_finished(r, now)
+            return
+        r.k_join = self.k
+        r.emitted_base = float(r.emitted)
+        r.ctx_base = float(r.context)
+        r.rem_base = float(rem)
+        self._join(r)
+
+    def _join(self, r: SimRequest) -> None:
+        r.finish_step = self.k + max(1, math.ceil(r.rem_base / self.e - 1e-9))
+        r.a_term = r.ctx_base - r.k_join * self.e
+        self.a_sum += r.a_term
+        self.decode[r.rid] = r
+        heapq.heappush(self.finish_heap, (r.finish_step, r.rid))
+
+    def _finish_due(self, now: float) -> None:
+        heap, k = self.finish_heap, self.k
+        while heap and heap[0][0] <= k:
+            step, rid = heapq.heappop(heap)
+            r = self.decode.get(rid)
+            if r is None or r.finish_step != step:
+                continue
+            del self.decode[rid]
+            self.a_sum -= r.a_term
+            self._release(r)
+            r.emitted = r.output
+            self.host.on_finished(r, now)
+        if not self.decode:
+            self.a_sum = 0.0  # drop accumulated rounding
+
+    def _release(self, r: SimRequest) -> None:
+        self.dirty = True
+        self.running -= 1
+        self.kv_used -= r.kv_reserved
+        r.kv_reserved = 0
+
+    def _apply_pending(self) -> None:
+        """Re-base every decoding request at the current step for a new e (and apply a slowdown)."""
+        if self.pending_slow is not None:
+            self.slow, self.pending_slow = self.pending_slow, None
+        if self.pending_spec is None:
+            return
+        (self.spec_k, new_e, self.spec_wait_s), self.pending_spec = self.pending_spec, None
+        old_e, k = self.e, self.k
+        self.e = new_e
+        members = list(self.decode.values())
+        self.decode, self.finish_heap, self.a_sum = {}, [], 0.0
+        for r in members:
+            adv = (k - r.k_join) * old_e
+            r.emitted_base += adv
+            r.ctx_base += adv
+            r.rem_base -= adv
+            r.k_join = k
+            self._join(r)
+
+    # -- observation and failure -----------------------------------------------------------------
+    def step_at(self, t: float) -> tuple[int, float]:
+        """The worker's step counter at time t (within the current run) and when that step began."""
+        if self.busy == DECODE and t > self.seg_start:
+            assert self.run is not None
+            n = self.run.steps_within((t - self.seg_start) / self.slow, self.seg_steps)
+            return self.k + n, self.seg_start + self.run.time(n) * self.slow
+        return self.k, self.seg_start
+
+    def emitted_at(self, r: SimRequest, k: int) -> float:
+        return r.emitted_base + max(0, k - r.k_join) * self.e
+
+    def kill(self, now: float) -> list[SimRequest]:
+        """The worker dies: every request on it loses its KV. Returns them, with client progress set."""
+        k, began = self.step_at(now)
+        lost: list[SimRequest] = []
+        for r in self.decode.values():
+            r.emitted = min(r.output - 1, int(self.emitted_at(r, k) + 1e-9))
+            if k > r.k_join:
+                r.last_token = began
+            lost.append(r)
+        lost.extend(self.prefill_q)
+        lost.extend(sorted(self.restoring, key=lambda r: r.rid))
+        lost.extend(self.waiting)
+        self.alive = False
+        self.dirty = True
+        self.lost = lost
+        self.lost_at_kill = len(lost)
+        self._reset_engine()
+        return lost
+
+    def restart(self) -> None:
+        """A new incarnation starts (loading): empty engine, no checkpoints."""
+        self.alive = True
+        self.dirty = True
+        self.incarnation += 1
+        self.slow = 1.0
+        self._reset_engine()

@@ -1,0 +1,148 @@
+"""Simulator runs small enough to work out by hand from the cost model."""
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gateway.core.costmodel import CostModel
+from gateway.core.modes import policy_for
+from gateway.sim.scenario import parse_scenario
+from gateway.sim.simulation import RunResult, Simulation
+from gateway.sim.workload import Workload
+
+COST = CostModel.preset("Qwen3-32B", "H100-80G")
+KVB = COST.model.kv_bytes_per_token
+DETECT = 0.06
+NET = 25e9
+
+
+def run(mode: str, requests: list[tuple[float, int, int]], **scenario: Any) -> RunResult:
+    data: dict[str, Any] = {"cluster": {"workers": 1}, "workload": {"rate": 1.0}}
+    for key, value in scenario.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    s = parse_scenario(data)
+    arr = np.array(requests, dtype=np.float64).reshape(-1, 3)
+    w = Workload(arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64))
+    return Simulation(s, policy_for(mode), w, seed=1).run()
+
+
+def decode_ends(start: float, ctx0: int, steps: int) -> list[float]:
+    """End times of `steps` single-request decode steps starting at `start`, first context ctx0."""
+    out, t = [], start
+    for j in range(steps):
+        t += COST.decode_step_time([ctx0 + j])
+        out.append(t)
+    return out
+
+
+def test_one_request_ttft_is_one_prefill_step_and_tpot_the_decode_steps() -> None:
+    (r,) = run("lumen", [(0.0, 1000, 10)]).records
+    assert r.first_token == pytest.approx(COST.prefill_time(1000), rel=1e-12)
+    # after the prefill token, 9 decode steps over contexts 1001..1009
+    assert r.last_token == pytest.approx(decode_ends(r.first_token, 1001, 9)[-1], rel=1e-12)
+    assert r.output_tokens == 10 and not r.interrupted
+
+
+def test_long_prompt_is_prefilled_in_chunks() -> None:
+    (r,) = run("lumen", [(0.5, 10_000, 1)]).records
+    expected = 0.5 + COST.prefill_time(8192, 0) + COST.prefill_time(10_000 - 8192, 8192)
+    assert r.first_token == pytest.approx(expected, rel=1e-12)
+    assert r.last_token == r.first_token
+
+
+def test_two_prompts_share_one_prefill_step() -> None:
+    a, b = run("lumen", [(0.0, 1000, 1), (0.0, 2000, 1)]).records
+    # the second arrives while the first's step runs (same instant, later event): it waits for the next step
+    assert a.first_token == pytest.approx(COST.prefill_time(1000), rel=1e-12)
+    assert b.first_token == pytest.approx(a.first_token + COST.prefill_time(2000), rel=1e-12)
+
+
+def test_gray_failure_slows_every_step() -> None:
+    (r,) = run("lumen", [(1.0, 1000, 1)], failures=[{"at_s": 0.0, "kind": "slow", "workers": ["w0"]}]).records
+    assert r.first_token == pytest.approx(1.0 + 5 * COST.prefill_time(1000), rel=1e-12)
+
+
+KILL_AT = 1.0
+PROMPT, OUT = 1000, 200
+TWO = {"cluster": {"workers": 2, "network_bw": NET}, "failures": [{"at_s": KILL_AT, "workers": ["w0"]}]}
+
+
+def emitted_by(t: float) -> int:
+    """Tokens of the one request (alone on w0) emitted by time t."""
+    first = COST.prefill_time(PROMPT)
+    return 1 + sum(1 for e in decode_ends(first, PROMPT + 1, OUT - 1) if e <= t)
+
+
+def test_kill_with_one_survivor_replay_costs_a_full_prefill() -> None:
+    res = run("stop_restart", [(0.0, PROMPT, OUT)], **TWO)
+    (r,) = res.records
+    emitted = emitted_by(KILL_AT)
+    last_before = decode_ends(COST.prefill_time(PROMPT), PROMPT + 1, emitted - 1)[-1]
+    resumed = KILL_AT + DETECT + COST.prefill_time(PROMPT + emitted)
+    assert r.interrupted and not r.error and r.output_tokens == OUT
+    assert r.resume_delay == pytest.approx(resumed - last_before, rel=1e-9)
+    assert res.stats.replays == 1 and res.stats.restores == 0
+    # the rest decodes on w1 from the replayed context
+    assert r.last_token == pytest.approx(
+        decode_ends(resumed, PROMPT + emitted + 1, OUT - emitted - 1)[-1], rel=1e-9
+    )
+
+
+@pytest.mark.parametrize("mode", ["lumen", "fixed_checkpoint"])
+def test_kill_with_one_survivor_restore_costs_restore_plus_tail_prefill(mode: str) -> None:
+    res = run(mode, [(0.0, PROMPT, OUT)], **TWO)
+    (r,) = res.records
+    lag = 64 * (KVB / (COST.gpu.d2h_bw * COST.tp) + KVB / NET)  # one page: device -> host -> network
+    durable = (PROMPT + emitted_by(KILL_AT - lag)) // 64 * 64
+    context = PROMPT + emitted_by(KILL_AT)
+    last_before = decode_ends(COST.prefill_time(PROMPT), PROMPT + 1, emitted_by(KILL_AT) - 1)[-1]
+    resumed = KILL_AT + DETECT + COST.restore_time(durable) + COST.prefill_time(context - durable, durable)
+    assert res.stats.restores == 1 and res.stats.restored_tokens == durable
+    assert r.resume_delay == pytest.approx(resumed - last_before, rel=1e-9)
+    assert r.output_tokens == OUT and res.stats.coverage == 1.0
+
+
+def test_mode_none_fails_the_interrupted_request() -> None:
+    res = run("none", [(0.0, PROMPT, OUT), (5.0, 100, 2)], **TWO)
+    lost, later = res.records
+    assert lost.error and lost.interrupted and lost.output_tokens == emitted_by(KILL_AT)
+    assert not later.error and later.first_token == pytest.approx(5.0 + COST.prefill_time(100), rel=1e-12)
+
+
+def test_request_larger_than_the_kv_cache_fails() -> None:
+    res = run("lumen", [(0.0, 5000, 10), (0.0, 10, 2)], cluster={"kv_capacity_tokens": 4096})
+    big, small = res.records
+    assert big.error and big.first_token is None
+    assert not small.error
+
+
+def test_no_survivor_waits_for_the_restart_then_gives_up() -> None:
+    fail = {"failures": [{"at_s": 0.5, "workers": ["w0"]}]}
+    (r,) = run("stop_restart", [(0.0, 1000, 400)], **fail).records
+    # reload takes longer than the 5 s a request waits for a HEALTHY worker
+    assert r.interrupted and r.error
+    rec = {"no_worker_wait_s": 600.0}
+    (r,) = run("stop_restart", [(0.0, 1000, 400)], recovery=rec, **fail).records
+    assert r.interrupted and not r.error and r.output_tokens == 400
+    # it resumed only once the restarted worker loaded its model
+    assert r.last_token > 0.5 + DETECT + COST.load_time()
+
+
+def test_draft_assist_speeds_the_survivor_while_the_failed_worker_reloads() -> None:
+    # w1 keeps a long request; w0 dies and, with draft assist, drafts for w1 until it has reloaded
+    reqs = [(0.0, 1000, 20), (0.0, 100, 3000)]
+    fail = {"cluster": {"workers": 2}, "failures": [{"at_s": 0.2, "workers": ["w0"]}]}
+    with_draft = run("lumen", reqs, **fail)
+    without = run("lumen-no-draft", reqs, **fail)
+    assert with_draft.stats.pairings >= 1 and with_draft.stats.acceptance_rate == 0.7
+    assert without.stats.pairings == 0
+    assert with_draft.records[1].last_token < without.records[1].last_token
+
+
+def test_draft_assist_with_drafter_latency_helps_less() -> None:
+    reqs = [(0.0, 1000, 20), (0.0, 100, 3000)]
+    fail: dict[str, Any] = {"cluster": {"workers": 2}, "failures": [{"at_s": 0.2, "workers": ["w0"]}]}
+    fast = run("lumen", reqs, **fail).records[1].last_token
+    slow = run("lumen", reqs, draft={"drafter_latency": True}, **fail).records[1].last_token
+    assert fast is not None and slow is not None and fast < slow
