@@ -45,6 +45,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--duration", type=float, help="workload duration in simulated seconds (default: the scenario's)"
     )
+    p.add_argument("--rate", type=float, help="total arrival rate in requests/s (default: the scenario's)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
 
@@ -74,17 +75,18 @@ def add_sim_commands(sub: Any) -> None:
 
 
 def _scenario(args: argparse.Namespace) -> Any:
-    from gateway.sim.runner import with_duration
+    from gateway.sim.runner import with_overrides
 
     try:
         scenario = load_scenario(args.scenario)
     except ScenarioError as exc:
         print(f"lumen: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-    if args.duration is not None and not args.duration > 0:
-        print("lumen: --duration must be > 0", file=sys.stderr)
-        raise SystemExit(2)
-    return with_duration(scenario, args.duration)
+    for flag, value in (("--duration", args.duration), ("--rate", args.rate)):
+        if value is not None and not value > 0:
+            print(f"lumen: {flag} must be > 0", file=sys.stderr)
+            raise SystemExit(2)
+    return with_overrides(scenario, args.duration, args.rate)
 
 
 def _plots(fn: Any, *a: Any) -> None:

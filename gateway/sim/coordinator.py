@@ -178,7 +178,7 @@ class Coordinator:
         else:
             # r.emitted (what the client has) is only brought up to date at a kill; count from the steps
             k, _ = w.step_at(now - page_lag)
-            tokens = max(r.prompt + int(w.emitted_at(r, k) + 1e-9), r.ck_base)
+            tokens = max(r.prompt + int(w.batch.emitted_at(r, k) + 1e-9), r.ck_base)
         return tokens - tokens % self.page
 
     def holder_failed(self, dead: SimWorker, now: float) -> None:
@@ -196,9 +196,9 @@ class Coordinator:
                 self.view(), w.id, [h.id for h in r.holders], r.ck_tokens * self.kvb, self.holder_params
             )
             self._charge(r, tuple(self.by_id[h] for h in new), r.ck_tokens)
-            if new and r.rid in w.decode:
+            if new and r.rid in w.batch.members:
                 k, _ = w.step_at(now)
-                self.stream_from(r, now, r.prompt + int(w.emitted_at(r, k)))
+                self.stream_from(r, now, r.prompt + int(w.batch.emitted_at(r, k)))
 
     # -- recovery -------------------------------------------------------------------------------------
     def recover(self, r: SimRequest, failed: SimWorker, now: float) -> bool:
@@ -240,8 +240,8 @@ class Coordinator:
 
     def _choose_k(self, w: SimWorker) -> tuple[int, float]:
         """k for target w's current batch, and the per-step wait for the drafter it implies."""
-        b = max(1, len(w.decode))
-        ctx = (w.a_sum + w.k * len(w.decode) * w.e) / b if w.decode else 1000.0
+        b = max(1, len(w.batch))
+        ctx = w.batch.ctx_sum(w.k) / b if w.batch else 1000.0
         # one draft-model decode step for the whole batch (only with draft.drafter_latency)
         draft_s = self.draft_step.step(b, b * ctx, b * ctx) if self.draft.drafter_latency else 0.0
 

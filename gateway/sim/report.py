@@ -36,7 +36,7 @@ REFERENCES = ("stop_restart", "fixed_checkpoint")
 def _cell(value: Any, fmt: str) -> str:
     if value is None:
         return "–"
-    return fmt.format(value)
+    return value if isinstance(value, str) else fmt.format(value)
 
 
 def change(value: Any, ref: Any) -> str:

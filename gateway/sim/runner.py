@@ -20,8 +20,9 @@ import numpy as np
 
 from gateway.core import evaluation as ev
 from gateway.core.modes import RecoveryPolicy, policy_for
+from gateway.sim.result import RunResult
 from gateway.sim.scenario import SCENARIO_DIR, Scenario
-from gateway.sim.simulation import RunResult, Simulation
+from gateway.sim.simulation import Simulation
 from gateway.sim.workload import CONV_RATE, Workload, read_trace, synthetic
 
 REPO_ROOT = SCENARIO_DIR.parents[1]
@@ -90,7 +91,8 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         interrupted=o.interrupted,
         resume_delay_mean_s=_r(ev.mean(r.resume_delay for r in recs)),
         checkpoint_coverage=_r(s.coverage),
-        holder_balance=_r(s.holder_balance, 3),
+        # max/min over HEALTHY workers; "inf" when some held nothing while others held some
+        holder_balance="inf" if s.holder_balance == math.inf else _r(s.holder_balance, 3),
         restores=s.restores,
         replays=s.replays,
         restored_tokens=s.restored_tokens,
@@ -137,10 +139,16 @@ class ScenarioReport:
         }
 
 
-def with_duration(scenario: Scenario, duration_s: float | None) -> Scenario:
-    if duration_s is None:
-        return scenario
-    return replace(scenario, workload=replace(scenario.workload, duration_s=duration_s))
+def with_overrides(
+    scenario: Scenario, duration_s: float | None = None, rate: float | None = None
+) -> Scenario:
+    """The scenario with another workload duration and/or total arrival rate (synthetic source)."""
+    w = scenario.workload
+    if duration_s is not None:
+        w = replace(w, duration_s=duration_s)
+    if rate is not None:
+        w = replace(w, source="synthetic", rate=rate, rate_per_worker=0.0)
+    return replace(scenario, workload=w)
 
 
 def run_scenario(

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import numpy as np
+
 from gateway.core.costmodel import GPUS, MODELS
+from gateway.core.holders import ring_key
 
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
 GiB = 1024**3
@@ -118,6 +121,23 @@ class Scenario:
     @property
     def failure_at(self) -> float | None:
         return min((f.at_s for f in self.failures), default=None)
+
+    def victims(self, seed: int) -> list[list[str]]:
+        """Each failure's workers, the same in every mode (`holder_of` is resolved when it strikes: [])."""
+        rng = np.random.default_rng([seed, 7919])
+        ids = self.worker_ids
+        out: list[list[str]] = []
+        for f in self.failures:
+            if f.workers:
+                out.append(list(f.workers))
+            elif f.domain:
+                out.append([w for i, w in enumerate(ids) if self.domain_of(i) == f.domain])
+            elif f.fraction:
+                n = max(1, round(f.fraction * len(ids)))
+                out.append(sorted((ids[i] for i in rng.choice(len(ids), n, replace=False)), key=ring_key))
+            else:
+                out.append([])
+        return out
 
 
 class ScenarioError(ValueError):

@@ -14,13 +14,10 @@ A `slow` failure multiplies one worker's step times without killing it (a gray f
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import numpy as np
 
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
-from gateway.core.evaluation import RequestRecord, checkpoint_coverage, holder_balance
+from gateway.core.evaluation import checkpoint_coverage, holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
@@ -30,55 +27,13 @@ from gateway.sim import events as ev
 from gateway.sim.coordinator import Coordinator, lag_per_token
 from gateway.sim.events import EventQueue
 from gateway.sim.request import SimRequest
+from gateway.sim.result import RunResult, RunStats, Sample
 from gateway.sim.scenario import FailureSpec, Scenario
 from gateway.sim.stepcost import StepCost
 from gateway.sim.worker import SimWorker
 from gateway.sim.workload import Workload
 
 S = WorkerState
-
-
-@dataclass(frozen=True, slots=True)
-class RunStats:
-    restores: int
-    replays: int
-    restored_tokens: int
-    coverage: float | None  # killed workers' running requests with a live checkpoint
-    holder_balance: float | None  # max/min checkpoint tokens over HEALTHY workers at the first kill
-    acceptance_rate: float | None  # draft assist: the draft model's per-token acceptance (if used)
-    draft_k_mean: float | None
-    pairings: int
-    events: int
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    records: tuple[RequestRecord, ...]
-    failure_at: float | None
-    simulated_s: float
-    worker_ids: tuple[str, ...]
-    sample_times: np.ndarray  # (T,)
-    queue: np.ndarray  # (T, N) requests running + waiting per worker
-    ckpt_tokens: np.ndarray  # (T, N) checkpoint tokens each worker holds for others
-    stats: RunStats
-
-
-def resolve_victims(scenario: Scenario, seed: int) -> list[list[str]]:
-    """Victims of each failure that do not depend on the run (holder_of is resolved when it strikes)."""
-    rng = np.random.default_rng([seed, 7919])
-    ids = scenario.worker_ids
-    out: list[list[str]] = []
-    for f in scenario.failures:
-        if f.workers:
-            out.append(list(f.workers))
-        elif f.domain:
-            out.append([w for i, w in enumerate(ids) if scenario.domain_of(i) == f.domain])
-        elif f.fraction:
-            n = max(1, round(f.fraction * len(ids)))
-            out.append(sorted((ids[i] for i in rng.choice(len(ids), n, replace=False)), key=ring_key))
-        else:
-            out.append([])
-    return out
 
 
 class Simulation:
@@ -128,7 +83,7 @@ class Simulation:
             lag_per_token(kvb, self.cost.gpu.d2h_bw * self.cost.tp, c.network_bw),
         )
         self.failures: tuple[FailureSpec, ...] = scenario.failures if failures else ()
-        self.victims = resolve_victims(scenario, seed)
+        self.victims = scenario.victims(seed)
         self.tallies: dict[str, dict[str, int]] = {}
         self.coverage_flags: list[bool] = []
         self.balance: float | None = None
@@ -140,7 +95,7 @@ class Simulation:
         self.requests: list[SimRequest] = []
         self.open = 0
         self.gw_waiting: list[SimRequest] = []
-        self.samples: list[tuple[float, list[int], list[int]]] = []
+        self.samples: list[Sample] = []
         self.now = 0.0
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -249,7 +204,7 @@ class Simulation:
         for w in victims:
             self.coord.freeze(w)
             tally: dict[str, int] = {}
-            running = [*w.decode.values(), *w.prefill_q, *w.restoring]
+            running = [*w.batch.members.values(), *w.prefill_q, *w.restoring]
             for r in running:
                 r.durable = self.coord.durable_at(r, now)
                 self.coverage_flags.append(self.coord.has_live_checkpoint(r, dead))
@@ -324,9 +279,6 @@ class Simulation:
     def _result(self, events: int) -> RunResult:
         if self.open:
             raise RuntimeError(f"{self.open} requests neither completed nor failed")  # conservation
-        times = np.array([s[0] for s in self.samples])
-        queue = np.array([s[1] for s in self.samples], dtype=np.int64).reshape(len(times), -1)
-        ckpt = np.array([s[2] for s in self.samples], dtype=np.int64).reshape(len(times), -1)
         ks = self.coord.spec_ks
         stats = RunStats(
             restores=self.coord.decisions["restore"],
@@ -339,13 +291,6 @@ class Simulation:
             pairings=len(ks),
             events=events,
         )
-        return RunResult(
-            records=tuple(r.record() for r in self.requests),
-            failure_at=min((f.at_s for f in self.failures), default=None),
-            simulated_s=self.now,
-            worker_ids=tuple(w.id for w in self.workers),
-            sample_times=times,
-            queue=queue,
-            ckpt_tokens=ckpt,
-            stats=stats,
+        return RunResult.collect(
+            self.requests, self.failures, self.now, [w.id for w in self.workers], self.samples, stats
         )

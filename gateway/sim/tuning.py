@@ -22,9 +22,10 @@ from typing import Any
 
 from gateway.core import evaluation as ev
 from gateway.core.modes import DispatchRule, policy_for
+from gateway.sim.result import RunResult
 from gateway.sim.runner import build_workload
 from gateway.sim.scenario import Scenario
-from gateway.sim.simulation import RunResult, Simulation
+from gateway.sim.simulation import Simulation
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,7 @@ a run, advanced in one event to the next step at which a request finishes (`step
 arrival, a finished restore or a speculation change cuts the run at the end of the step in progress.
 So the work per event is O(1) plus O(requests that join or leave), never per token.
 
-Decoding requests are positioned on the worker's step counter `k`: request r emits `e` tokens per
-step (1, or the draft-assist mean) from step `r.k_join`, so at step k it has emitted
-`r.emitted_base + (k − r.k_join)·e` tokens; the batch's context sum is `A + k·B·e` with
-`A = Σ (r.ctx_base − r.k_join·e)`. Changing e re-bases every request at a step boundary.
+Decoding requests are positioned on the worker's step counter `k` (see `batch.DecodeBatch`).
 
 Admission reserves the request's final KV size (context + remaining output), as Lumen's engine does,
 so nothing is ever preempted; at most `max_running` requests run (restoring, prefilling, decoding).
@@ -19,13 +16,12 @@ then the tail is prefilled; `prefill_left` is at least 1 (the last token is reco
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections import deque
 from typing import Protocol
 
 from gateway.core.health import WorkerState
 from gateway.sim import events as ev
+from gateway.sim.batch import DecodeBatch
 from gateway.sim.events import EventQueue
 from gateway.sim.request import SimRequest
 from gateway.sim.stepcost import Run, StepCost
@@ -78,15 +74,12 @@ class SimWorker:
         self._reset_engine()
 
     def _reset_engine(self) -> None:
-        self.k = 0
-        self.e = 1.0  # tokens per step per decoding request
+        self.k = 0  # steps done
+        self.batch = DecodeBatch()
         self.spec_k = 0  # drafted tokens verified per request per step
         self.spec_wait_s = 0.0  # per step, waiting for the drafter (draft.drafter_latency)
         self.pending_spec: tuple[int, float, float] | None = None
         self.pending_slow: float | None = None
-        self.decode: dict[int, SimRequest] = {}
-        self.finish_heap: list[tuple[int, int]] = []
-        self.a_sum = 0.0
         self.prefill_q: deque[SimRequest] = deque()
         self.waiting: deque[SimRequest] = deque()
         self.restoring: set[SimRequest] = set()
@@ -174,10 +167,10 @@ class SimWorker:
                 budget -= n
                 if budget == 0:
                     break
-            b = len(self.decode)
+            b = len(self.batch)
             if b:
                 v = self.spec_k * b
-                ctx_sum = self.a_sum + self.k * b * self.e
+                ctx_sum = self.batch.ctx_sum(self.k)
                 new += b + v
                 attn += ctx_sum * (1.0 + v / b)
                 kv += ctx_sum
@@ -185,12 +178,11 @@ class SimWorker:
             self.busy, self.seg_start, self.seg_steps = PREFILL, now, 1
             self.version += 1
             host.queue.push(now + dt * self.slow, ev.STEP, self, self.version)
-        elif self.decode:
-            heap = self.finish_heap
-            b = len(self.decode)
-            ctx_sum = self.a_sum + self.k * b * self.e
-            self.run = run = self.cost.decode_run(b, ctx_sum, b * self.e, self.spec_k * b, self.spec_wait_s)
-            self.busy, self.seg_start, self.seg_steps = DECODE, now, heap[0][0] - self.k
+        elif self.batch:
+            batch, b = self.batch, len(self.batch)
+            ctx_sum = batch.ctx_sum(self.k)
+            self.run = run = self.cost.decode_run(b, ctx_sum, b * batch.e, self.spec_k * b, self.spec_wait_s)
+            self.busy, self.seg_start, self.seg_steps = DECODE, now, batch.next_finish() - self.k
             self.version += 1
             host.queue.push(now + run.time(self.seg_steps) * self.slow, ev.STEP, self, self.version)
 
@@ -222,38 +214,17 @@ class SimWorker:
 
     def _prefilled(self, r: SimRequest, now: float) -> None:
         self.host.on_prefilled(r, now)  # emits the attempt's first token
-        rem = r.output - r.emitted
-        if rem <= 0:
+        if r.output - r.emitted <= 0:
             self._release(r)
             self.host.on_finished(r, now)
-            return
-        r.k_join = self.k
-        r.emitted_base = float(r.emitted)
-        r.ctx_base = float(r.context)
-        r.rem_base = float(rem)
-        self._join(r)
-
-    def _join(self, r: SimRequest) -> None:
-        r.finish_step = self.k + max(1, math.ceil(r.rem_base / self.e - 1e-9))
-        r.a_term = r.ctx_base - r.k_join * self.e
-        self.a_sum += r.a_term
-        self.decode[r.rid] = r
-        heapq.heappush(self.finish_heap, (r.finish_step, r.rid))
+        else:
+            self.batch.start(r, self.k)
 
     def _finish_due(self, now: float) -> None:
-        heap, k = self.finish_heap, self.k
-        while heap and heap[0][0] <= k:
-            step, rid = heapq.heappop(heap)
-            r = self.decode.get(rid)
-            if r is None or r.finish_step != step:
-                continue
-            del self.decode[rid]
-            self.a_sum -= r.a_term
+        for r in self.batch.pop_finished(self.k):
             self._release(r)
             r.emitted = r.output
             self.host.on_finished(r, now)
-        if not self.decode:
-            self.a_sum = 0.0  # drop accumulated rounding
 
     def _release(self, r: SimRequest) -> None:
         self.dirty = True
@@ -267,18 +238,8 @@ class SimWorker:
             self.slow, self.pending_slow = self.pending_slow, None
         if self.pending_spec is None:
             return
-        (self.spec_k, new_e, self.spec_wait_s), self.pending_spec = self.pending_spec, None
-        old_e, k = self.e, self.k
-        self.e = new_e
-        members = list(self.decode.values())
-        self.decode, self.finish_heap, self.a_sum = {}, [], 0.0
-        for r in members:
-            adv = (k - r.k_join) * old_e
-            r.emitted_base += adv
-            r.ctx_base += adv
-            r.rem_base -= adv
-            r.k_join = k
-            self._join(r)
+        (self.spec_k, e, self.spec_wait_s), self.pending_spec = self.pending_spec, None
+        self.batch.rebase(self.k, e)
 
     # -- observation and failure -----------------------------------------------------------------
     def step_at(self, t: float) -> tuple[int, float]:
@@ -289,15 +250,12 @@ class SimWorker:
             return self.k + n, self.seg_start + self.run.time(n) * self.slow
         return self.k, self.seg_start
 
-    def emitted_at(self, r: SimRequest, k: int) -> float:
-        return r.emitted_base + max(0, k - r.k_join) * self.e
-
     def kill(self, now: float) -> list[SimRequest]:
         """The worker dies: every request on it loses its KV. Returns them, with client progress set."""
         k, began = self.step_at(now)
         lost: list[SimRequest] = []
-        for r in self.decode.values():
-            r.emitted = min(r.output - 1, int(self.emitted_at(r, k) + 1e-9))
+        for r in self.batch.members.values():
+            r.emitted = min(r.output - 1, int(self.batch.emitted_at(r, k) + 1e-9))
             if k > r.k_join:
                 r.last_token = began
             lost.append(r)

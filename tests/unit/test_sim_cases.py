@@ -7,8 +7,9 @@ import pytest
 
 from gateway.core.costmodel import CostModel
 from gateway.core.modes import policy_for
+from gateway.sim.result import RunResult
 from gateway.sim.scenario import parse_scenario
-from gateway.sim.simulation import RunResult, Simulation
+from gateway.sim.simulation import Simulation
 from gateway.sim.workload import Workload
 
 COST = CostModel.preset("Qwen3-32B", "H100-80G")

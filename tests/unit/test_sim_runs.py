@@ -68,10 +68,8 @@ def test_same_seed_same_result_and_another_seed_differs() -> None:
 
 def test_quarter_victims_depend_on_the_seed_not_the_mode() -> None:
     s = replace(small("quarter"), cluster=replace(small("quarter").cluster, workers=16))
-    from gateway.sim.simulation import resolve_victims
-
-    assert resolve_victims(s, 1) == resolve_victims(s, 1)
-    assert len(resolve_victims(s, 1)[0]) == 4
+    assert s.victims(1) == s.victims(1) != s.victims(2)
+    assert len(s.victims(1)[0]) == 4
 
 
 def test_rack_failure_spares_load_aware_checkpoints() -> None:

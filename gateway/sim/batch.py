@@ -1,0 +1,81 @@
+"""The decode batch of one simulated worker: its requests positioned on the worker's step counter.
+
+Request r emits `e` tokens per step (1, or the draft-assist mean) from step `r.k_join` on, so at step
+k it has emitted `r.emitted_base + (k − r.k_join)·e` tokens and finishes at step
+`r.k_join + ⌈r.rem_base / e⌉`. The batch's context sum at step k is `A + k·B·e` with
+`A = Σ (r.ctx_base − r.k_join·e)`, so the step time of the whole batch is O(1) to evaluate, and a
+request joins or leaves in O(log B) (a heap of finish steps). Changing e re-bases every request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from gateway.sim.request import SimRequest
+
+
+class DecodeBatch:
+    __slots__ = ("a_sum", "e", "heap", "members")
+
+    def __init__(self) -> None:
+        self.members: dict[int, SimRequest] = {}
+        self.heap: list[tuple[int, int]] = []  # (finish step, rid)
+        self.a_sum = 0.0
+        self.e = 1.0
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def ctx_sum(self, k: int) -> float:
+        """Σ context of the batch's requests at step k."""
+        return self.a_sum + k * len(self.members) * self.e
+
+    def next_finish(self) -> int:
+        return self.heap[0][0]
+
+    def emitted_at(self, r: SimRequest, k: int) -> float:
+        return r.emitted_base + max(0, k - r.k_join) * self.e
+
+    def start(self, r: SimRequest, k: int) -> None:
+        """r's prefill just emitted a token at step k: it decodes from the next step on."""
+        r.k_join = k
+        r.emitted_base = float(r.emitted)
+        r.ctx_base = float(r.context)
+        r.rem_base = float(r.output - r.emitted)
+        self._join(r, k)
+
+    def _join(self, r: SimRequest, k: int) -> None:
+        r.finish_step = k + max(1, math.ceil(r.rem_base / self.e - 1e-9))
+        r.a_term = r.ctx_base - r.k_join * self.e
+        self.a_sum += r.a_term
+        self.members[r.rid] = r
+        heapq.heappush(self.heap, (r.finish_step, r.rid))
+
+    def pop_finished(self, k: int) -> list[SimRequest]:
+        """Remove and return the requests that have emitted all their tokens by step k."""
+        heap, out = self.heap, []
+        while heap and heap[0][0] <= k:
+            step, rid = heapq.heappop(heap)
+            r = self.members.get(rid)
+            if r is None or r.finish_step != step:
+                continue
+            del self.members[rid]
+            self.a_sum -= r.a_term
+            out.append(r)
+        if not self.members:
+            self.a_sum = 0.0  # drop accumulated rounding
+        return out
+
+    def rebase(self, k: int, e: float) -> None:
+        """From step k on, every request emits e tokens per step."""
+        members = list(self.members.values())
+        old_e = self.e
+        self.members, self.heap, self.a_sum, self.e = {}, [], 0.0, e
+        for r in members:
+            adv = (k - r.k_join) * old_e
+            r.emitted_base += adv
+            r.ctx_base += adv
+            r.rem_base -= adv
+            r.k_join = k
+            self._join(r, k)

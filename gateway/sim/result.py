@@ -1,0 +1,61 @@
+"""What one simulated run produced: the client-side records, time series, and recovery statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.core.evaluation import RequestRecord
+from gateway.sim.request import SimRequest
+from gateway.sim.scenario import FailureSpec
+
+# one sample: (time, running + waiting per worker, checkpoint tokens held per worker)
+Sample = tuple[float, list[int], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    restores: int
+    replays: int
+    restored_tokens: int
+    coverage: float | None  # killed workers' running requests with a live checkpoint
+    holder_balance: float | None  # max/min checkpoint tokens over HEALTHY workers at the first kill
+    acceptance_rate: float | None  # draft assist: the draft model's per-token acceptance (if used)
+    draft_k_mean: float | None
+    pairings: int
+    events: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    records: tuple[RequestRecord, ...]
+    failure_at: float | None
+    simulated_s: float
+    worker_ids: tuple[str, ...]
+    sample_times: np.ndarray  # (T,)
+    queue: np.ndarray  # (T, N) requests running + waiting per worker
+    ckpt_tokens: np.ndarray  # (T, N) checkpoint tokens each worker holds for others
+    stats: RunStats
+
+    @staticmethod
+    def collect(
+        requests: Sequence[SimRequest],
+        failures: Sequence[FailureSpec],
+        end: float,
+        worker_ids: Sequence[str],
+        samples: Sequence[Sample],
+        stats: RunStats,
+    ) -> RunResult:
+        n = len(worker_ids)
+        return RunResult(
+            records=tuple(r.record() for r in requests),
+            failure_at=min((f.at_s for f in failures), default=None),
+            simulated_s=end,
+            worker_ids=tuple(worker_ids),
+            sample_times=np.array([s[0] for s in samples]),
+            queue=np.array([s[1] for s in samples], dtype=np.int64).reshape(len(samples), n),
+            ckpt_tokens=np.array([s[2] for s in samples], dtype=np.int64).reshape(len(samples), n),
+            stats=stats,
+        )
