@@ -19,7 +19,9 @@ from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
 from gateway.core.load import estimated_load
+from gateway.core.pairing import PairingParams
 from gateway.core.types import LoadParams
+from gateway.server.assist import DraftCoordinator
 from gateway.server.auth import require_admin
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.config import Config, recovery_policy
@@ -88,6 +90,21 @@ class Gateway:
                 metrics=self.metrics,
             )
             self.control.heartbeat_hooks.append(self.checkpoints.on_heartbeat)
+        self.assist: DraftCoordinator | None = None
+        if self.policy.draft_assist:
+            self.assist = DraftCoordinator(
+                monitor=self.monitor,
+                control=self.control,
+                params=PairingParams(
+                    load=self.load_params,
+                    hysteresis=config.draft.hysteresis,
+                    max_drafters_per_target=config.draft.max_drafters_per_target,
+                ),
+                k_initial=config.draft.k_initial,
+                view=self.checkpoints.view if self.checkpoints is not None else self.monitor.view,
+                metrics=self.metrics,
+            )
+        self._assist_task: asyncio.Task[None] | None = None
         self.sessions: SessionManager | None = None
         self._http: aiohttp.ClientSession | None = None
         self._grpc: aio.Server | None = None
@@ -120,6 +137,10 @@ class Gateway:
             cost=self.cost,
         )
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
+        if self.assist is not None:
+            # re-pair at a few heartbeat intervals: loads move slowly, pairs should not flap
+            period = 5 * self.config.health.heartbeat_interval_ms / 1000
+            self._assist_task = asyncio.create_task(self.assist.run(period), name="draft-assist")
         app = self.build_app()
         self._runner = web.AppRunner(
             app,
@@ -142,10 +163,11 @@ class Gateway:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._detector is not None:
-            self._detector.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._detector
+        for task in (self._detector, self._assist_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)
         if self._http is not None:
@@ -164,6 +186,7 @@ class Gateway:
         app.router.add_post("/admin/workers/{id}/kill", self.handle_kill)
         app.router.add_get("/admin/events", self.handle_events)
         app.router.add_get("/admin/sessions", self.handle_sessions)
+        app.router.add_get("/admin/assist", self.handle_assist)
         return app
 
     # -- handlers -------------------------------------------------------------------------------
@@ -187,6 +210,9 @@ class Gateway:
             self.metrics.ckpt_tokens_held.labels(worker=w.id).set(w.ckpt_tokens)
             self.metrics.ckpt_bytes_streamed.labels(worker=w.id).set(w.ckpt_bytes_sent_total)
             self.metrics.ckpt_pages_evicted.labels(worker=w.id).set(w.ckpt_pages_evicted_total)
+            self.metrics.drafted_tokens.labels(worker=w.id).set(w.drafted_tokens)
+            self.metrics.accepted_tokens.labels(worker=w.id).set(w.accepted_tokens)
+            self.metrics.draft_rounds.labels(worker=w.id).set(w.draft_rounds)
             if w.state is WorkerState.HEALTHY:
                 held.append(w.ckpt_tokens)
         if self.checkpoints is not None and self.sessions is not None:
@@ -224,6 +250,13 @@ class Gateway:
                     "restores_total": w.restores_total,
                     "restored_tokens_total": w.restored_tokens_total,
                     "kv_endpoint": w.kv_endpoint,
+                    "draft_endpoint": w.draft_endpoint,
+                    "drafted_tokens": w.drafted_tokens,
+                    "accepted_tokens": w.accepted_tokens,
+                    "draft_rounds": w.draft_rounds,
+                    "drafting_for": next((t for d, t in self.assist.pairs.items() if d == w.id), None)
+                    if self.assist is not None
+                    else None,
                     "load": round(estimated_load(w.view(), self.load_params), 4),
                     "last_heartbeat_ms_ago": round(1000 * (now - w.last_heartbeat), 1),
                     "failure_domain": w.failure_domain,
@@ -282,6 +315,27 @@ class Gateway:
                     }
                 )
         return web.json_response({"live": len(self.sessions.live), "interrupted": out})
+
+    async def handle_assist(self, request: web.Request) -> web.Response:
+        require_admin(request, self.config.gateway.admin_api_keys)
+        if self.assist is None:
+            return web.json_response({"enabled": False, "pairs": {}, "events": []})
+        return web.json_response(
+            {
+                "enabled": True,
+                "pairs": self.assist.pairs,
+                "events": [
+                    {
+                        "t": round(e.t - self.started_at, 4),
+                        "drafter": e.drafter,
+                        "target": e.target,
+                        "started": e.started,
+                        "reason": e.reason,
+                    }
+                    for e in self.assist.events
+                ],
+            }
+        )
 
     # -- events -------------------------------------------------------------------------------
     def _on_state_change(self, ev: StateEvent) -> None:

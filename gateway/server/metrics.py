@@ -80,6 +80,22 @@ class GatewayMetrics:
             "Prompt tokens restored from checkpoints instead of recomputed",
             registry=r,
         )
+        self.assist_pairs = Gauge("lumen_draft_assist_pairs", "Drafter-target pairs in force", registry=r)
+        self.assist_changes = Counter(
+            "lumen_draft_assist_changes", "Draft-assist pairs started and stopped", ["change"], registry=r
+        )
+        self.drafted_tokens = Gauge(
+            "lumen_drafted_tokens",
+            "Draft tokens verified by each target (since start)",
+            ["worker"],
+            registry=r,
+        )
+        self.accepted_tokens = Gauge(
+            "lumen_accepted_draft_tokens", "Draft tokens accepted by each target", ["worker"], registry=r
+        )
+        self.draft_rounds = Gauge(
+            "lumen_draft_rounds", "Draft-assisted target steps per worker", ["worker"], registry=r
+        )
         self.workers = Gauge("lumen_workers", "Workers by state", ["state"], registry=r)
 
     def render(self) -> bytes:

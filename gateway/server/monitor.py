@@ -56,6 +56,7 @@ class WorkerRecord:
     state: WorkerState
     http_url: str
     kv_endpoint: str = ""
+    draft_endpoint: str = ""
     model: str = ""
     pid: int = 0
     kv_capacity_tokens: int = 1
@@ -76,6 +77,10 @@ class WorkerRecord:
     restores_total: int = 0
     ckpt_bytes_sent_total: int = 0
     ckpt_pages_evicted_total: int = 0
+    # draft assist, as a target: tokens drafted for it, accepted, and assisted steps
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_rounds: int = 0
     # requests this gateway has in flight on the worker
     inflight: int = 0
     attached_at: float = 0.0
@@ -147,6 +152,7 @@ class LoadMonitor:
             state=state,
             http_url=hello.http_url,
             kv_endpoint=hello.kv_endpoint,
+            draft_endpoint=hello.draft_endpoint,
             model=hello.model,
             pid=hello.pid,
             kv_capacity_tokens=max(1, hello.kv_capacity_tokens),
@@ -178,6 +184,9 @@ class LoadMonitor:
         rec.restores_total = hb.restores_total
         rec.ckpt_bytes_sent_total = hb.ckpt_bytes_sent_total
         rec.ckpt_pages_evicted_total = hb.ckpt_pages_evicted_total
+        rec.drafted_tokens = hb.draft.drafted_tokens
+        rec.accepted_tokens = hb.draft.accepted_tokens
+        rec.draft_rounds = hb.draft.rounds
         rec.phase = phase_of(hb.phase)
         if rec.state is WorkerState.SUSPECT:
             self._set(rec, WorkerState.HEALTHY, "heartbeat resumed")
