@@ -20,6 +20,7 @@ from typing import Annotated, Final
 
 import msgspec
 
+from gateway.protocol.pagekeys import is_key
 from gateway.protocol.versions import KV_PROTOCOL_VERSION
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -132,8 +133,8 @@ def validate(header: KvHeader, payload_len: int) -> None:
         raise KvProtocolError(
             f"payload is {payload_len} B, header says {header.n_pages} x {header.page_bytes} B"
         )
-    if header.parent_key is not None and len(header.parent_key) != 64:
-        raise KvProtocolError(f"parent_key must be 64 hex characters, got {len(header.parent_key)}")
+    if header.parent_key is not None and not is_key(header.parent_key):
+        raise KvProtocolError(f"parent_key is not a page key: {header.parent_key[:80]!r}")
 
 
 def decode_header(buf: bytes | memoryview) -> KvHeader:

@@ -41,6 +41,17 @@ def namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
     return digest.hexdigest()
 
 
+def is_key(s: str) -> bool:
+    """Whether `s` is a well-formed page key (64 lowercase or uppercase hex characters)."""
+    if len(s) != KEY_HEX_LEN:
+        return False
+    try:
+        bytes.fromhex(s)
+    except ValueError:
+        return False
+    return True
+
+
 def _prior_digest(prior: str | None) -> bytes | None:
     # SGLang tests `if prior_hash:`, so an empty string means "no prior" there too
     if not prior:
