@@ -155,7 +155,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(
         f"recommended: theta={best['theta']} tau={best['tau']} alpha={best['alpha']} beta={best['beta']} "
         f"rule={best['rule']}: TTFT after failure {best['score_ttft_s']:.3f} s, recovery "
-        f"{best['recovery_time_s']} s; neighbours worse by {worse}"
+        f"{best['recovery_time_robust_s']} s (5 s windows, 1.25x); neighbours worse by {worse}"
     )
     print(f"wrote {args.out / 'tune.json'}", file=sys.stderr)
     return 0

@@ -26,6 +26,11 @@ from gateway.sim.simulation import Simulation
 from gateway.sim.workload import CONV_RATE, Workload, read_trace, synthetic
 
 REPO_ROOT = SCENARIO_DIR.parents[1]
+# EVALUATION's recovery time asks every later 2 s window to stay within 1.1x of the no-failure run.
+# Two runs that diverged at a failure keep differing by ~5% per window from routing and batching
+# alone, so over a long run some window exceeds 1.1x and the strict figure drifts to the run's end.
+# The robust variant applies the same definition to 5 s windows with 1.25x slack.
+ROBUST_WINDOW_S, ROBUST_SLACK = 5.0, 1.25
 Progress = Callable[[float], None]
 
 
@@ -72,12 +77,14 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         "baseline_tpot_mean_s": _r(ev.mean_metric(ref, "tpot"), 5),
     }
     fail = run.failure_at
-    rec_ttft = rec_tpot = None
-    impact = ev.Impact(None, None, 0)
+    rec_ttft = rec_tpot = robust = None
+    impact = robust_impact = ev.Impact(None, None, 0)
     if fail is not None:
         rec_ttft = ev.recovery_time(recs, ref, fail, "ttft")
         rec_tpot = ev.recovery_time(recs, ref, fail, "tpot")
         impact = ev.failure_impact(recs, fail, rec_ttft)
+        robust = ev.recovery_time(recs, ref, fail, "ttft", window_s=ROBUST_WINDOW_S, slack=ROBUST_SLACK)
+        robust_impact = ev.failure_impact(recs, fail, robust)
     o = ev.outcomes(recs)
     s = run.stats
     out.update(
@@ -86,6 +93,9 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         impact_ttft_mean_s=_r(impact.mean_ttft),
         impact_tpot_mean_s=_r(impact.mean_tpot, 5),
         impact_requests=impact.requests,
+        recovery_time_robust_s=_r(robust, 2),
+        impact_ttft_robust_s=_r(robust_impact.mean_ttft),
+        impact_tpot_robust_s=_r(robust_impact.mean_tpot, 5),
         client_errors=o.errors,
         requests=o.total,
         interrupted=o.interrupted,

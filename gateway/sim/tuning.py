@@ -5,8 +5,8 @@ failures on the same workload and seed. θ, τ and the rule only act after a fai
 no-failure run per (α, β) serves every cell.
 
 Cells are ranked by the mean TTFT of requests arriving in a fixed window after the failure,
-[failure, failure + H] with H the longest recovery time in the grid (the run's end if none
-recovered): unlike the failure-impact TTFT, whose window is each cell's own recovery time, it
+[failure, failure + H] with H the longest (robust, see runner.ROBUST_WINDOW_S) recovery time in the
+grid (the run's end if none recovered): unlike the failure-impact TTFT, whose window is each cell's own recovery time, it
 compares every cell over the same requests. Ties go to the shorter recovery time. The margin of the
 recommendation is how much worse its θ/τ grid neighbours are (relative increase of the score): a
 small margin means a flat optimum, i.e. the choice hardly matters there.
@@ -23,7 +23,7 @@ from typing import Any
 from gateway.core import evaluation as ev
 from gateway.core.modes import DispatchRule, policy_for
 from gateway.sim.result import RunResult
-from gateway.sim.runner import build_workload
+from gateway.sim.runner import ROBUST_SLACK, ROBUST_WINDOW_S, build_workload
 from gateway.sim.scenario import Scenario
 from gateway.sim.simulation import Simulation
 
@@ -109,12 +109,20 @@ def tune(
         point["recovery_time_tpot_s"] = ev.recovery_time(
             result.records, base.records, result.failure_at, "tpot"
         )
+        point["recovery_time_robust_s"] = ev.recovery_time(
+            result.records,
+            base.records,
+            result.failure_at,
+            "ttft",
+            window_s=ROBUST_WINDOW_S,
+            slack=ROBUST_SLACK,
+        )
         impact = ev.failure_impact(result.records, result.failure_at, point["recovery_time_s"])
         point["impact_ttft_mean_s"] = impact.mean_ttft
         point["impact_tpot_mean_s"] = impact.mean_tpot
         point["restores"], point["replays"] = result.stats.restores, result.stats.replays
         point["client_errors"] = ev.outcomes(result.records).errors
-        rec_s = point["recovery_time_s"]
+        rec_s = point["recovery_time_robust_s"]
         if rec_s is not None:
             recoveries.append(rec_s)
     horizon = max(recoveries) if recoveries else math.inf
@@ -145,7 +153,7 @@ def tune(
 
 def _rank(p: dict[str, Any]) -> tuple[float, float]:
     score = p["score_ttft_s"]
-    rec = p["recovery_time_s"]
+    rec = p["recovery_time_robust_s"]
     return (math.inf if score is None else score, math.inf if rec is None else rec)
 
 
