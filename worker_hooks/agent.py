@@ -9,6 +9,10 @@ worker failed and cancelled the stream), the gateway no longer trusts our in-fli
 engine resets its incarnation (aborting them) and the agent re-attaches with exponential backoff.
 Attempts that never reached the gateway do not reset again. Gateway messages for another incarnation
 are dropped.
+
+Heartbeats carry the checkpoint plane's state in modelled bytes: the store's use, the durable tokens
+of every held request that changed since the previous beat (all of them in a session's first beat,
+so a restarted gateway learns the whole state), and the checkpoints the sender abandoned.
 """
 
 from __future__ import annotations
@@ -167,8 +171,9 @@ class Agent:
             model=spec.model,
             draft_model=spec.draft_model,
             http_url=self.http_url,
+            kv_endpoint=self.engine.ckpt.endpoint,
             kv_capacity_tokens=self.engine.pool.capacity_tokens,
-            ckpt_budget_bytes=spec.ckpt_budget_bytes,
+            ckpt_budget_bytes=self.engine.ckpt.stats().budget_bytes,
             failure_domain=spec.failure_domain,
             auth_token=spec.control_token,
             page_size=spec.page_size,
@@ -203,17 +208,8 @@ class Agent:
             delay = deadline - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            s = self.engine.stats()
             seq += 1
-            beat = pb.Heartbeat(
-                seq=seq,
-                phase=pb.Phase.Value(s.phase.value),
-                running=s.running,
-                waiting=s.waiting,
-                kv_tokens_used=s.kv_tokens_used,
-                completed_total=s.completed_total,
-            )
-            await call.write(pb.WorkerMessage(heartbeat=beat))
+            await call.write(pb.WorkerMessage(heartbeat=self.heartbeat(seq, full=seq == 1)))
             self.heartbeats_sent += 1
             deadline += interval_s
             now = loop.time()
@@ -221,22 +217,55 @@ class Agent:
                 # more than a whole interval behind (a stalled loop): skip the missed beats
                 deadline = now
 
+    def heartbeat(self, seq: int, *, full: bool = False) -> pb.Heartbeat:
+        """The engine's state now; `full` reports every held checkpoint, not only the changes."""
+        s = self.engine.stats()
+        ckpt = self.engine.ckpt
+        c = ckpt.stats()
+        return pb.Heartbeat(
+            seq=seq,
+            phase=pb.Phase.Value(s.phase.value),
+            running=s.running,
+            waiting=s.waiting,
+            kv_tokens_used=s.kv_tokens_used,
+            completed_total=s.completed_total,
+            ckpt_bytes_used=c.bytes_used,
+            ckpt_tokens_held=c.tokens_held,
+            durable=[pb.DurableTokens(rid=r, tokens=t) for r, t in ckpt.durable(full=full).items()],
+            abandoned_checkpoints=ckpt.abandoned(),
+            restored_tokens_total=c.restored_tokens,
+            ckpt_bytes_sent_total=c.bytes_sent,
+            ckpt_pages_evicted_total=c.pages_evicted,
+            restores_total=c.restores,
+        )
+
     async def _dispatch(self, call: grpc.aio.StreamStreamCall, incarnation: int) -> None:
         while True:
             msg = await self._read(call, incarnation)
             if msg is None:
                 return
-            kind = msg.WhichOneof("body")
-            if kind == "drain":
-                log.info("draining", worker_id=self.engine.worker_id)
-                self.engine.drain()
-            elif kind == "refuse":
-                self.refusals += 1
-                raise SessionEnded(f"refused: {msg.refuse.reason}")
-            elif kind == "welcome":
-                log.warning("duplicate Welcome ignored", worker_id=self.engine.worker_id)
-            else:
-                log.info("command not implemented yet", worker_id=self.engine.worker_id, command=kind)
+            self.handle(msg)
+
+    def handle(self, msg: pb.GatewayMessage) -> None:
+        """Apply one gateway message of the current incarnation; a Refuse ends the session."""
+        kind = msg.WhichOneof("body")
+        engine = self.engine
+        if kind == "drain":
+            log.info("draining", worker_id=engine.worker_id)
+            engine.drain()
+        elif kind == "drop_checkpoint":
+            engine.ckpt.drop(list(msg.drop_checkpoint.rids))
+        elif kind == "assign_holder":
+            a = msg.assign_holder
+            resent = engine.assign_holders(a.rid, [h.kv_endpoint for h in a.holders])
+            log.info("holders assigned", rid=a.rid, holders=[h.worker_id for h in a.holders], resent=resent)
+        elif kind == "refuse":
+            self.refusals += 1
+            raise SessionEnded(f"refused: {msg.refuse.reason}")
+        elif kind == "welcome":
+            log.warning("duplicate Welcome ignored", worker_id=engine.worker_id)
+        else:
+            log.info("command not implemented yet", worker_id=engine.worker_id, command=kind)
 
 
 def _describe(exc: BaseException) -> str:

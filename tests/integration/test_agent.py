@@ -18,7 +18,7 @@ import pytest
 
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.control_pb2_grpc import ControlServicer, add_ControlServicer_to_server
-from gateway.protocol.generate import GenerateRequest, SamplingParams
+from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
 from gateway.protocol.launch import EngineSpec, encode_spec
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
 from worker_hooks.engine.worker import Worker, start_worker
@@ -265,3 +265,87 @@ async def test_worker_process_attaches_under_uvloop() -> None:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+# -- the checkpoint plane in heartbeats -------------------------------------------------------------------
+KV_PER_TOKEN = 114688  # Qwen3-0.6B, the model of `spec`
+
+
+def latest_durable(session: Session) -> dict[str, int]:
+    """Durable tokens per request as a gateway folding the heartbeat deltas in order sees them."""
+    out: dict[str, int] = {}
+    for beat in list(session.heartbeats):
+        for d in beat.durable:
+            out[d.rid] = d.tokens
+    return out
+
+
+def checkpointed(rid: str, prompt: list[int], holder: Worker, max_new: int = 10**5) -> GenerateRequest:
+    ref = HolderRef(worker_id=holder.worker_id, kv_endpoint=holder.kv_endpoint)
+    return GenerateRequest(
+        rid=rid, input_ids=prompt, sampling_params=SamplingParams(max_new), lumen=LumenExt(checkpoint=[ref])
+    )
+
+
+async def test_heartbeats_report_the_checkpoint_plane(attached: tuple[FakeGateway, Worker]) -> None:
+    gw, w = attached
+    session = gw.sessions[0]
+    assert session.hello.kv_endpoint == w.kv_endpoint and w.kv_endpoint.startswith("tcp://127.0.0.1:")
+    store = w.engine.ckpt.store
+    assert store is not None
+    prompt = list(range(40, 80))
+    async with start_worker(spec("", worker_id="w-peer")) as peer:
+        # peer serves a request whose holder is w: w's heartbeats report what it holds
+        peer.engine.submit(checkpointed("p-1", prompt, w))
+        await wait_until(lambda: latest_durable(session).get("p-1", 0) >= 64)
+        peer.engine.pause()
+        await asyncio.sleep(0.05)  # the step in flight delivers; then nothing moves
+        seq = peer.engine.scheduler.get("p-1")
+        assert seq is not None
+        held = seq.kv_len // 16 * 16  # the full pages of the KV computed so far
+        peer.engine.abort("p-1", "worker failed")
+        peer.engine.resume()
+        await wait_until(lambda: latest_durable(session).get("p-1") == held)
+        await wait_until(lambda: session.heartbeats[-1].ckpt_tokens_held == held)
+        assert session.heartbeats[-1].ckpt_bytes_used == held * KV_PER_TOKEN  # modelled bytes
+
+        # the gateway resumes on the holder: w restores the prompt's full pages, less the last token
+        handle = w.engine.submit(checkpointed("p-2", prompt, peer, max_new=30))
+        assert handle.restored_tokens == 32
+        while (await handle.next()).finish is None:
+            pass
+        # w streamed p-2 (restored pages included) to peer: floor((40 + 30 - 1) / 16) pages
+        await wait_until(lambda: session.heartbeats[-1].ckpt_bytes_sent_total == 4 * 16 * KV_PER_TOKEN)
+        last = session.heartbeats[-1]
+        assert (last.restores_total, last.restored_tokens_total, last.ckpt_pages_evicted_total) == (1, 32, 0)
+
+    # a new session (the gateway restarted, or fenced us) starts with the whole durable state
+    gw.sessions[0].outbox.put_nowait(None)
+    second = await gw.wait_sessions(2)
+    await wait_until(lambda: len(second.heartbeats) >= 1)
+    assert {d.rid: d.tokens for d in second.heartbeats[0].durable} == {"p-1": held}
+
+    second.outbox.put_nowait(
+        pb.GatewayMessage(incarnation=w.incarnation, drop_checkpoint=pb.DropCheckpoint(rids=["p-1"]))
+    )
+    await wait_until(lambda: latest_durable(second).get("p-1") == 0)
+    await wait_until(lambda: second.heartbeats[-1].ckpt_bytes_used == 0)
+    assert store.bytes_used == 0
+
+
+async def test_abandoned_checkpoints_are_reported() -> None:
+    # a lag bound below one prefill's pages: the checkpoint is abandoned at once, and reported once
+    async with gateway() as (gw, address), start_worker(spec(address, ckpt_max_lag_bytes=4096)) as w:
+        session = await gw.wait_sessions(1)
+        ref = HolderRef(worker_id="gone", kv_endpoint="tcp://127.0.0.1:9")
+        w.engine.submit(
+            GenerateRequest(
+                rid="lagging",
+                input_ids=[1] * 64,
+                sampling_params=SamplingParams(10**5),
+                lumen=LumenExt(checkpoint=[ref]),
+            )
+        )
+        await wait_until(lambda: any("lagging" in b.abandoned_checkpoints for b in session.heartbeats))
+        await asyncio.sleep(0.1)
+        assert sum(list(b.abandoned_checkpoints).count("lagging") for b in session.heartbeats) == 1

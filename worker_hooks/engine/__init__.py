@@ -1,6 +1,8 @@
 """Lumen's own worker: an SGLang-compatible server over a continuous-batching engine.
 
 Modules: `synthetic` (the deterministic model and `expected_output`), `pages` (paged KV accounting),
-`scheduler` (step composition), `engine` (the real-time step loop), `server` and `info` (HTTP),
-`metrics`, `worker` (`start_worker`, in-process), `__main__` (the process entry point).
+`scheduler` (step composition), `engine` (the real-time step loop), `checkpointing` (the worker's
+checkpoint store, page streaming and restore lookup), `handle` (one request's emissions),
+`validation` (admission checks), `server` and `info` (HTTP), `metrics`, `worker` (`start_worker`,
+in-process), `__main__` (the process entry point).
 """

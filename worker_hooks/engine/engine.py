@@ -1,9 +1,11 @@
 """The engine shell: runs the scheduler in (scaled) real time and hands tokens to request streams.
 
 It owns the step loop and the model-load timer (both started by `start()` and awaited by `stop()`),
-the worker's incarnation and phase, and one `RequestHandle` per live request. Each step sleeps until an
-absolute deadline advanced by the modelled step time, so the CPU time the step itself took is not
-added on top, and timer granularity (uvloop rounds to 1 ms) evens out over steps.
+the worker's incarnation and phase, the checkpointer (store, sender, restores), and one
+`RequestHandle` per live request. Each step sleeps until an absolute deadline advanced by the
+modelled step time, so the CPU time the step itself took is not added on top, and timer granularity
+(uvloop rounds to 1 ms) evens out over steps. A step that admits a request with a restored prefix
+also pays the modelled host-to-device copy of that prefix.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
 from worker_hooks.engine import errors
+from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
+from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Emission, Scheduler
 from worker_hooks.engine.synthetic import SyntheticModel
+from worker_hooks.engine.validation import validate
 
 log = structlog.get_logger(__name__)
 
@@ -50,30 +55,8 @@ class EngineStats:
     prompt_tokens_total: int
     generated_tokens_total: int
     steps_total: int
-
-
-class RequestHandle:
-    """The receiving end of one request: emissions in order, the last one with a finish reason."""
-
-    __slots__ = ("_queue", "finished", "incarnation", "prompt_tokens", "rid")
-
-    def __init__(self, rid: str, prompt_tokens: int, incarnation: int) -> None:
-        self.rid = rid
-        self.prompt_tokens = prompt_tokens
-        self.incarnation = incarnation  # the incarnation that accepted the request
-        self.finished = False
-        self._queue: asyncio.Queue[Emission] = asyncio.Queue()
-
-    def _push(self, emission: Emission) -> None:
-        self._queue.put_nowait(emission)
-        if emission.finish is not None:
-            self.finished = True
-
-    async def next(self) -> Emission:
-        return await self._queue.get()
-
-    def next_nowait(self) -> Emission | None:
-        return None if self._queue.empty() else self._queue.get_nowait()
+    modelled_s_total: float  # modelled time of every step so far (restores included)
+    busy_s_total: float  # wall time the step loop spent outside its sleeps
 
 
 class Engine:
@@ -96,6 +79,7 @@ class Engine:
         )
         self.incarnation = now_us()
         self.phase = Phase.LOADING_FULL if spec.restart else Phase.SERVING
+        self.ckpt = Checkpointer(spec, self.worker_id, self.cost.model)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
         # fault injection (gray failure): a paused engine stops stepping while the agent keeps
@@ -109,6 +93,8 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.steps_total = 0
+        self.modelled_s_total = 0.0
+        self.busy_s_total = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
     def load_time_s(self) -> float:
@@ -118,6 +104,7 @@ class Engine:
     async def start(self) -> None:
         if self._loop_task is not None:
             raise RuntimeError("engine already started")
+        await self.ckpt.start(self.incarnation)
         self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.worker_id}")
         if self.phase is Phase.LOADING_FULL:
             self._load_task = asyncio.create_task(self._load(), name=f"load-{self.worker_id}")
@@ -141,13 +128,16 @@ class Engine:
         for task in (self._load_task, self._loop_task):
             if task is not None:
                 task.cancel()
-        for task in (self._load_task, self._loop_task):
-            if task is not None:
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        self._load_task = self._loop_task = None
+        try:
+            for task in (self._load_task, self._loop_task):
+                if task is not None:
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
+        finally:  # a crashed loop re-raises here; the sockets still close
+            self._load_task = self._loop_task = None
+            await self.ckpt.close()
 
     async def _load(self) -> None:
         t = self.load_time_s()
@@ -166,6 +156,7 @@ class Engine:
         old = self.incarnation
         n = len(self.abort_all("worker incarnation reset"))
         self.incarnation = max(now_us(), old + 1)
+        self.ckpt.reset(self.incarnation)
         log.info("incarnation reset", worker_id=self.worker_id, old=old, new=self.incarnation, aborted=n)
         return self.incarnation
 
@@ -184,9 +175,10 @@ class Engine:
                 )
         if self.phase is not Phase.SERVING:
             raise errors.NotServing(f"worker {self.worker_id} is {self.phase.value}")
-        self._validate(req)
+        validate(req, self.spec.vocab_size)
+        restored = self.ckpt.restorable(req.input_ids)
         seq = self.scheduler.make_seq(
-            req.rid, req.input_ids, req.sampling_params, ext.seed_base if ext else 0
+            req.rid, req.input_ids, req.sampling_params, ext.seed_base if ext else 0, restored
         )
         if not self.scheduler.fits_ever(seq):
             raise errors.PromptTooLong(
@@ -196,36 +188,23 @@ class Engine:
         if req.rid in self._handles:
             raise errors.DuplicateRequest(f"request id {req.rid!r} is already in flight")
         self.scheduler.add(seq)
-        handle = RequestHandle(req.rid, len(req.input_ids), self.incarnation)
+        handle = RequestHandle(req.rid, len(req.input_ids), self.incarnation, restored)
         self._handles[req.rid] = handle
         self.requests_total += 1
         self.prompt_tokens_total += len(req.input_ids)
+        self.ckpt.admitted(seq, [h.kv_endpoint for h in ext.checkpoint] if ext else [])
         self._wake.set()
         return handle
 
-    def _validate(self, req: GenerateRequest) -> None:
-        p = req.sampling_params
-        if not req.rid:
-            raise errors.InvalidRequest("rid must be a non-empty string")
-        if not req.input_ids:
-            raise errors.InvalidRequest("input_ids must not be empty")
-        vocab = self.spec.vocab_size
-        bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise errors.InvalidRequest(f"input id {bad} is outside the vocabulary [0, {vocab})")
-        if p.max_new_tokens < 0:
-            raise errors.InvalidRequest(f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
-        if not p.temperature >= 0.0:
-            raise errors.InvalidRequest(f"temperature must be >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise errors.InvalidRequest(f"top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k != -1 and p.top_k < 1:
-            raise errors.InvalidRequest(f"top_k must be -1 (disabled) or >= 1, got {p.top_k}")
+    def abort(self, rid: str, message: str = "aborted", *, drop_checkpoint: bool = False) -> bool:
+        """Abort one request by exact id; its stream (if anyone reads it) ends with an abort chunk.
 
-    def abort(self, rid: str, message: str = "aborted") -> bool:
-        """Abort one request by exact id; its stream (if anyone reads it) ends with an abort chunk."""
+        Its checkpoint stays with its holders (the gateway may resume from it) unless
+        `drop_checkpoint`: the client itself gave up on the request.
+        """
         seq = self.scheduler.abort(rid)
         handle = self._handles.pop(rid, None)
+        self.ckpt.forget(rid, drop=drop_checkpoint)
         if seq is None and handle is None:
             return False
         self.aborted_total += 1
@@ -238,10 +217,21 @@ class Engine:
     def abort_prefix(self, prefix: str, message: str = "aborted by request") -> list[str]:
         """SGLang's /abort_request semantics: every request whose id starts with `prefix`."""
         rids = [r for r in self.scheduler.rids() if r.startswith(prefix)]
-        return [r for r in rids if self.abort(r, message)]
+        return [r for r in rids if self.abort(r, message, drop_checkpoint=True)]
 
     def abort_all(self, message: str) -> list[str]:
         return [r for r in self.scheduler.rids() if self.abort(r, message)]
+
+    # -- checkpoint commands (control plane; DropCheckpoint goes to `ckpt.drop`) --------------------
+    def assign_holders(self, rid: str, endpoints: list[str]) -> int:
+        """AssignHolder: stream a running request to a new holder set (re-sending what new holders
+        lack); returns the pages re-sent, 0 for a request not running here."""
+        seq = self.scheduler.get(rid)
+        good = [e for e in endpoints if valid_endpoint(e)]
+        if seq is None or len(good) != len(endpoints):
+            log.info("assign_holder ignored", rid=rid, running=seq is not None, endpoints=endpoints)
+            return 0
+        return self.ckpt.assign(seq, good)
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -261,6 +251,8 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
             steps_total=self.steps_total,
+            modelled_s_total=self.modelled_s_total,
+            busy_s_total=self.busy_s_total,
         )
 
     # -- the step loop --------------------------------------------------------------------------
@@ -277,6 +269,7 @@ class Engine:
                 if not self._unpaused.is_set():
                     await self._unpaused.wait()
                     deadline = loop.time()
+                t0 = time.perf_counter()
                 result = self.scheduler.step()
                 if result.empty:
                     # defensive: nothing admissible and nothing running; wait for a submit or an abort
@@ -284,11 +277,19 @@ class Engine:
                     await self._wake.wait()
                     continue
                 self.steps_total += 1
-                dt = self.cost.step_time(result.work) * scale
-                deadline = max(deadline, loop.time() - MAX_LAG_S) + dt
+                modelled = self.cost.step_time(result.work)
+                if result.restored_tokens:
+                    modelled += self.cost.restore_time(result.restored_tokens)
+                self.modelled_s_total += modelled
+                deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale
+                t1 = time.perf_counter()
                 delay = deadline - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
+                t2 = time.perf_counter()
+                # the step's pages exist once it has run; its finished requests end after them
+                self.ckpt.after_step()
                 self._deliver(result.emissions)
+                self.busy_s_total += (t1 - t0) + (time.perf_counter() - t2)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -308,3 +309,4 @@ class Engine:
             handle._push(e)
             if e.finish is not None:
                 del handles[e.rid]
+                self.ckpt.end(e.rid)

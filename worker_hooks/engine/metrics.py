@@ -59,6 +59,17 @@ class EngineCollector(Collector):
         yield gauge(
             "lumen_incarnation", "This worker's incarnation (microseconds since the epoch).", s.incarnation
         )
+        c = engine.ckpt.stats()
+        yield gauge("lumen_ckpt_budget_bytes", "Checkpoint store budget (modelled bytes).", c.budget_bytes)
+        yield gauge("lumen_ckpt_bytes_used", "Checkpoint store use (modelled bytes).", c.bytes_used)
+        yield gauge("lumen_ckpt_tokens_held", "KV tokens held for other workers' requests.", c.tokens_held)
+        yield gauge("lumen_ckpt_streaming_requests", "Requests whose pages are streamed.", c.streaming)
+        yield counter("lumen_ckpt_bytes_sent", "KV bytes streamed to holders (modelled).", c.bytes_sent)
+        yield counter("lumen_ckpt_pages_evicted", "Pages the store evicted for budget.", c.pages_evicted)
+        yield counter("lumen_restores", "Requests admitted with a restored prefix.", c.restores)
+        yield counter(
+            "lumen_restored_tokens", "Prompt tokens restored instead of prefilled.", c.restored_tokens
+        )
         phase = GaugeMetricFamily("lumen_phase", "1 for the phase the worker is in.", labels=["phase"])
         for p in Phase:
             phase.add_metric([p.value], 1.0 if p is s.phase else 0.0)

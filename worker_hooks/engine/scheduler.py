@@ -8,7 +8,10 @@ Pure and synchronous: the engine shell calls `step()`, sleeps for the modelled t
 - at most `chunked_prefill_size` prompt tokens are prefilled per step, requests already part-way
   through their prompt first; a long prompt spans several steps;
 - every request that was decoding at the start of the step decodes one token; the step that
-  completes a prompt also yields that request's first token.
+  completes a prompt also yields that request's first token;
+- a request may arrive with a restored prefix (KV pages loaded from the checkpoint store): those
+  tokens are in context from admission on and only the rest of the prompt is prefilled; the step
+  that admits it reports them so the engine can charge the host-to-device copy.
 """
 
 from __future__ import annotations
@@ -34,11 +37,24 @@ class Seq:
     reserve_pages: int
     state: int
     prefilled: int = 0
+    restored: int = 0  # prompt tokens whose KV came from the checkpoint store, not from prefill
     output: list[int] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:
         return self.prefilled + len(self.output)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV exists: the last emitted token is only fed to the model by the next step."""
+        return self.prefilled + max(len(self.output) - 1, 0)
+
+    def context(self, start: int, end: int) -> list[int]:
+        """Context token ids [start, end): the prompt, then the output."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        return self.prompt[start:] + self.output[: end - n] if start < n else self.output[start - n : end - n]
 
     @property
     def prefilling(self) -> bool:
@@ -59,6 +75,7 @@ class Emission:
 class StepResult:
     work: StepWork
     emissions: list[Emission]
+    restored_tokens: int = 0  # restored prefixes of the requests this step admitted (host -> GPU)
 
     @property
     def empty(self) -> bool:
@@ -84,7 +101,12 @@ class Scheduler:
         self.completed_total = 0
 
     # -- requests ---------------------------------------------------------------------------------
-    def make_seq(self, rid: str, prompt: list[int], params: SamplingParams, seed_base: int = 0) -> Seq:
+    def make_seq(
+        self, rid: str, prompt: list[int], params: SamplingParams, seed_base: int = 0, restored: int = 0
+    ) -> Seq:
+        """`restored` prompt tokens start in context (at least the last prompt token is prefilled)."""
+        if restored < 0 or (restored and restored >= len(prompt)):
+            raise ValueError(f"restored prefix {restored} must lie in [0, {len(prompt)})")
         return Seq(
             rid=rid,
             prompt=prompt,
@@ -92,7 +114,9 @@ class Scheduler:
             sampler=Sampler.from_params(params, seed_base),
             stop_ids=frozenset(params.stop_token_ids),
             reserve_pages=pages_for(len(prompt) + max(params.max_new_tokens, 0), self.pool.page_size),
-            state=self.model.initial_state(),
+            state=self.model.absorb(self.model.initial_state(), prompt[:restored]),
+            prefilled=restored,
+            restored=restored,
         )
 
     def fits_ever(self, seq: Seq) -> bool:
@@ -107,6 +131,9 @@ class Scheduler:
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._by_rid
+
+    def get(self, rid: str) -> Seq | None:
+        return self._by_rid.get(rid)
 
     def abort(self, rid: str) -> Seq | None:
         """Remove a request wherever it is and free its pages."""
@@ -139,6 +166,7 @@ class Scheduler:
         emissions: list[Emission] = []
         finished: list[Seq] = []
         budget = self.chunked_prefill_size
+        restored = 0
 
         for seq in [s for s in self.running if s.prefilling]:
             if budget == 0:
@@ -153,6 +181,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             self.pool.allocate(seq.rid, 0, reserve=seq.reserve_pages)
             self.running.append(seq)
+            restored += seq.restored
             budget -= self._prefill(seq, budget, prefill, emissions, finished)
 
         for seq in decoding:
@@ -163,7 +192,7 @@ class Scheduler:
             self.pool.free(seq.rid)
             del self._by_rid[seq.rid]
             self.completed_total += 1
-        return StepResult(StepWork(prefill=prefill, decode_contexts=decode_contexts), emissions)
+        return StepResult(StepWork(prefill=prefill, decode_contexts=decode_contexts), emissions, restored)
 
     def _prefill(
         self,

@@ -1,8 +1,10 @@
 """The worker's HTTP data API: SGLang's native `/generate` subset plus health and abort (DESIGN 4.2).
 
 Streams send one SSE chunk per engine step carrying only that step's new ids (SGLang's
-`--incremental-streaming-output`), the finish reason on the last chunk, then `data: [DONE]`.
-A request whose client goes away is aborted in the engine, so its KV pages are freed at once.
+`--incremental-streaming-output`), the finish reason on the last chunk, then `data: [DONE]`; every
+chunk carries the prefix restored from the checkpoint store (`restored_tokens`, `cached_tokens`).
+A request whose client goes away is aborted in the engine, so its KV pages are freed at once; its
+checkpoint stays with its holders (the gateway may resume it), while `/abort_request` drops it too.
 Discovery, load and metrics endpoints live in info.py.
 """
 
@@ -24,8 +26,9 @@ from gateway.protocol.generate import (
     encode_sse_chunk,
     request_decoder,
 )
-from worker_hooks.engine.engine import Engine, RequestHandle
+from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.errors import EngineError, InvalidRequest
+from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.scheduler import Emission
 
 if TYPE_CHECKING:
@@ -52,7 +55,9 @@ def _chunk(engine: Engine, handle: RequestHandle, e: Emission, output_ids: list[
             id=handle.rid,
             prompt_tokens=handle.prompt_tokens,
             completion_tokens=e.completion_tokens,
-            cached_tokens=0,
+            # SGLang reports prefix-cache hits as cached tokens; a restored prefix is one
+            cached_tokens=handle.restored_tokens,
+            restored_tokens=handle.restored_tokens,
             finish_reason=e.finish,
             worker_id=engine.worker_id,
             incarnation=handle.incarnation,

@@ -47,6 +47,11 @@ class Worker:
     def incarnation(self) -> int:
         return self.engine.incarnation
 
+    @property
+    def kv_endpoint(self) -> str:
+        """Where this worker's checkpoint store takes pages ("" when it runs none)."""
+        return self.engine.ckpt.endpoint
+
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024**2)
         app[server.WORKER] = self
@@ -84,6 +89,7 @@ async def start_worker(spec: EngineSpec) -> AsyncIterator[Worker]:
                 url=worker.url,
                 incarnation=worker.incarnation,
                 phase=worker.engine.phase.value,
+                kv_endpoint=worker.kv_endpoint,
             )
             try:
                 yield worker
