@@ -44,6 +44,13 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ckpt_frame_bytes: int = 1024 * 1024
     ckpt_max_lag_bytes: int = 256 * 1024 * 1024
     draft_model: str = ""
+    # progressive recovery (DESIGN 4.5): modelled draft-model load time (None: from the cost model),
+    # the synthetic drafter's per-token agreement with its target, and the target's k bounds
+    draft_load_s: float | None = None
+    draft_agreement: float = 0.7
+    draft_k_min: int = 1
+    draft_k_max: int = 8
+    draft_timeout_ms: int = 30
     log_level: str = "info"
 
 

@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from gateway.protocol.launch import EngineSpec, encode_spec
-from gateway.server.config import Config
+from gateway.server.config import Config, draft_for, recovery_policy
 from gateway.server.errors import NotFound
 
 log = structlog.get_logger("lumen.cluster")
@@ -87,7 +87,14 @@ def worker_specs(config: Config, control_address: str, token_range: tuple[int, i
             ckpt_payload_scale=config.checkpoint.payload_scale,
             ckpt_frame_bytes=config.checkpoint.frame_bytes,
             ckpt_max_lag_bytes=config.checkpoint.max_lag_bytes,
-            draft_model=m.draft_preset,
+            draft_model=(draft_for(config.draft.pairs, m.preset) or "")
+            if recovery_policy(config).draft_assist
+            else "",
+            draft_load_s=None if e.draft_load_s < 0 else e.draft_load_s,
+            draft_agreement=config.draft.agreement,
+            draft_k_min=config.draft.k_min,
+            draft_k_max=config.draft.k_max,
+            draft_timeout_ms=config.draft.draft_timeout_ms,
             log_level=config.gateway.log_level,
         )
         for i in range(cl.workers)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draft_models.registry import DraftError, validate_pairs
 from gateway.core.modes import MODES, RecoveryPolicy, policy_for
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
@@ -72,7 +73,6 @@ class ModelSection:
     preset: str = "Qwen3-32B"  # cost-model preset (gateway/core/costmodel.py)
     gpu: str = "H100-80G"
     tp: int = 0  # 0: the preset's default
-    draft_preset: str = "Qwen3-1.7B"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,7 @@ class EngineSection:
     chunked_prefill_size: int = 8192
     kv_capacity_tokens: int = 0  # 0: from the cost model
     model_load_s: float = -1.0  # < 0: from the cost model (weights / load bandwidth + start-up)
+    draft_load_s: float = -1.0  # restart: draft model load time; < 0: from the cost model
     model_seed: int = 0
 
 
@@ -198,6 +199,11 @@ class Config:
                 raise ConfigError(dotted, value, "unknown key")
             raw[section][key] = value
         return from_dict(raw)
+
+
+def draft_for(pairs: tuple[DraftPair, ...], target: str) -> str | None:
+    """The draft model configured for `target` (draft.pairs), or None."""
+    return next((p.draft for p in pairs if p.target == target), None)
 
 
 def recovery_policy(cfg: Config) -> RecoveryPolicy:
@@ -372,7 +378,6 @@ def validate(cfg: Config) -> None:
     _check(m.preset in MODELS, "model.preset", m.preset, f"unknown preset; known: {', '.join(MODELS)}")
     _check(m.gpu in GPUS, "model.gpu", m.gpu, f"unknown GPU; known: {', '.join(GPUS)}")
     _check(m.tp in (0, 1, 2, 4, 8), "model.tp", m.tp, "must be 0 (preset default), 1, 2, 4 or 8")
-    _check(m.draft_preset in MODELS, "model.draft_preset", m.draft_preset, "unknown preset")
 
     e = cfg.engine
     _choice("engine.backend", e.backend, ("synthetic", "torch"))
@@ -430,6 +435,13 @@ def validate(cfg: Config) -> None:
     for i, pair in enumerate(d.pairs):
         _check(pair.target in MODELS, f"draft.pairs[{i}].target", pair.target, "unknown preset")
         _check(pair.draft in MODELS, f"draft.pairs[{i}].draft", pair.draft, "unknown preset")
+    try:
+        validate_pairs((p.target, p.draft) for p in d.pairs)
+    except DraftError as exc:
+        idx = getattr(exc, "index", None)
+        key = f"draft.pairs[{idx}]" if idx is not None else "draft.pairs"
+        value = f"{getattr(exc, 'target', '?')} -> {getattr(exc, 'draft', '?')}"
+        raise ConfigError(key, value, getattr(exc, "why", str(exc))) from exc
     _check(d.k_min >= 1, "draft.k_min", d.k_min, "must be >= 1")
     _check(d.k_max >= d.k_min, "draft.k_max", d.k_max, "must be >= draft.k_min")
     _check(d.k_min <= d.k_initial <= d.k_max, "draft.k_initial", d.k_initial, "must be in k_min..k_max")

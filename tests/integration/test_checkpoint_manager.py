@@ -103,7 +103,7 @@ async def test_holder_failure_reassigns_and_tells_the_serving_worker() -> None:
 
 
 async def test_abandoned_checkpoint_is_not_offered_for_restore() -> None:
-    mon, _ctl, mgr, recs = make(3)
+    _mon, _ctl, mgr, recs = make(3)
     [ref] = mgr.assign("s1", "s1-1", recs["w0"], context=300, remaining=100)
     mgr.on_heartbeat(recs[ref.worker_id], pb.Heartbeat(durable=[pb.DurableTokens(rid="s1-1", tokens=128)]))
     mgr.on_heartbeat(recs["w0"], pb.Heartbeat(abandoned_checkpoints=["s1-1"]))

@@ -61,3 +61,11 @@ def test_env_supplies_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config()
     assert cfg.gateway.api_keys == ("key-aaaaaaaa", "key-bbbbbbbb")
     assert cfg.gateway.control_token == "s3cret"
+
+
+def test_incompatible_draft_pair_is_refused_with_the_reason(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[[draft.pairs]]\ntarget = "Qwen3-32B"\ndraft = "Llama-3.2-1B"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    assert "draft.pairs[0]" in str(info.value) and "vocabulary" in str(info.value)
