@@ -16,6 +16,7 @@ COLUMNS = (
     ("impact_tpot_mean_s", "impact TPOT s", "{:.4f}"),
     ("recovery_time_robust_s", "recovery 5s/1.25x s", "{:.0f}"),
     ("impact_ttft_robust_s", "impact TTFT 5s/1.25x s", "{:.3f}"),
+    ("impact_ttft_x_baseline", "x no-failure", "{:.2f}"),
     ("client_errors", "errors", "{}"),
     ("interrupted", "interrupted", "{}"),
     ("restores", "restores", "{}"),
@@ -75,7 +76,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "(recovery is measured against it; '–' recovery: not recovered by the end of the run). "
         "Recovery and impact columns follow EVALUATION.md (2 s windows, 1.1x); the 5s/1.25x columns "
         "apply the same definition to 5 s windows with 1.25x slack, robust to the ~5% per-window "
-        "noise between two runs that diverged at the failure.",
+        "noise between two runs that diverged at the failure; 'x no-failure' divides that impact TTFT "
+        "by the no-failure run's mean TTFT over the same arrival window.",
     ]
     for ref in REFERENCES:
         if ref not in modes:

@@ -67,6 +67,10 @@ def _r(x: float | None, digits: int = 4) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, digits)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
 def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
     """The per-mode summary of EVALUATION.md for a failure run and its no-failure twin."""
     recs, ref = run.records, base.records
@@ -78,13 +82,15 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
     }
     fail = run.failure_at
     rec_ttft = rec_tpot = robust = None
-    impact = robust_impact = ev.Impact(None, None, 0)
+    impact = robust_impact = base_impact = ev.Impact(None, None, 0)
     if fail is not None:
         rec_ttft = ev.recovery_time(recs, ref, fail, "ttft")
         rec_tpot = ev.recovery_time(recs, ref, fail, "tpot")
         impact = ev.failure_impact(recs, fail, rec_ttft)
         robust = ev.recovery_time(recs, ref, fail, "ttft", window_s=ROBUST_WINDOW_S, slack=ROBUST_SLACK)
         robust_impact = ev.failure_impact(recs, fail, robust)
+        # the no-failure run over the same arrival window: how many times worse the failure made TTFT
+        base_impact = ev.failure_impact(ref, fail, robust)
     o = ev.outcomes(recs)
     s = run.stats
     out.update(
@@ -96,6 +102,8 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         recovery_time_robust_s=_r(robust, 2),
         impact_ttft_robust_s=_r(robust_impact.mean_ttft),
         impact_tpot_robust_s=_r(robust_impact.mean_tpot, 5),
+        baseline_impact_ttft_s=_r(base_impact.mean_ttft),
+        impact_ttft_x_baseline=_r(_ratio(robust_impact.mean_ttft, base_impact.mean_ttft), 2),
         client_errors=o.errors,
         requests=o.total,
         interrupted=o.interrupted,
