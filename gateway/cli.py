@@ -15,9 +15,7 @@ from gateway.core.modes import MODES
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config (default: configs/default.toml)")
-    p.add_argument(
-        "--mode", choices=list(MODES), help="recovery mode or ablation"
-    )
+    p.add_argument("--mode", choices=list(MODES), help="recovery mode or ablation")
     p.add_argument(
         "--set",
         action="append",
@@ -150,6 +148,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def cmd_loadtest(args: argparse.Namespace, rest: list[str]) -> int:
+    from loadtests.sidebyside import main as sbs_main
+
+    argv = ["--out", args.out, *rest]
+    if args.scenario:
+        argv += ["--scenario", args.scenario]
+    if args.modes:
+        argv += ["--modes", args.modes]
+    return sbs_main(argv)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from loadtests.demo import main as demo_main
 
@@ -190,7 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = csub.add_parser("kill", help="kill -9 (or hang) a worker of a running local cluster")
     p.add_argument("worker_id")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mode", dest="kill_mode", choices=["kill", "hang", "resume", "stall", "unstall", "term"], default="kill")
+    p.add_argument(
+        "--mode",
+        dest="kill_mode",
+        choices=["kill", "hang", "resume", "stall", "unstall", "term"],
+        default="kill",
+    )
     p.set_defaults(func=cmd_cluster_kill)
     p = csub.add_parser("status", help="list the workers of a running local cluster")
     p.add_argument("--port", type=int, default=8000)
@@ -206,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="gateway port (0: pick a free one)")
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser(
+        "loadtest",
+        help="live side-by-side runs of the recovery modes on a local cluster (other flags: loadtests.sidebyside)",
+    )
+    p.add_argument("--scenario")
+    p.add_argument("--out", required=True)
+    p.add_argument("--modes", help="comma-separated; default stop_restart,fixed_checkpoint,lumen")
+    p.set_defaults(func=cmd_loadtest, passthrough=True)
+
     from gateway.sim.cli import add_sim_commands
 
     add_sim_commands(sub)
@@ -214,11 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
+    if getattr(args, "passthrough", False):
+        return int(func(args, rest) or 0)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(func(args) or 0)
 
 

@@ -63,7 +63,7 @@ def _results(shapes: list[Shape], seed: int) -> list[RequestResult]:
 
 
 async def _drive(
-    url: str, shapes: list[Shape], results: list[RequestResult], kill_at: float | None
+    url: str, shapes: list[Shape], results: list[RequestResult], kill_at: float | None, victims: list[str]
 ) -> dict[str, Any]:
     info: dict[str, Any] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
@@ -77,8 +77,9 @@ async def _drive(
             assert kill_at is not None
             await asyncio.sleep(max(0.0, kill_at - (time.monotonic() - t0)))
             info["kill_wall"] = time.monotonic() - t0
-            async with http.post(f"{url}/admin/workers/w0/kill?mode=kill") as resp:
-                info["kill"] = await resp.json()
+            for victim in victims:
+                async with http.post(f"{url}/admin/workers/{victim}/kill?mode=kill") as resp:
+                    info.setdefault("kill", []).append(await resp.json())
 
         async def progress() -> None:
             while True:
@@ -140,7 +141,8 @@ def run_mode(
     label = f"{mode}{'' if kill else ' (no failure)'}"
     sys.stderr.write(f"[{label}] starting {args.workers} workers\n")
     with ClusterProcess(workers=args.workers, mode=mode, overrides=overrides, log_dir=log_dir) as c:
-        info = asyncio.run(_drive(c.url, shapes, results, args.kill_at if kill else None))
+        victims = args.victims.split(",")
+        info = asyncio.run(_drive(c.url, shapes, results, args.kill_at if kill else None, victims))
     interrupted = {i["rid"] for i in info["sessions"]["interrupted"]}
     records = _records(results, info["t0"], interrupted)
     info["restores"] = sum(1 for i in info["sessions"]["interrupted"] if i.get("restored_tokens"))
@@ -246,7 +248,9 @@ def write_report(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", help="take workers, model and victims from configs/scenarios/NAME.toml")
     ap.add_argument("--modes", default="stop_restart,fixed_checkpoint,lumen")
+    ap.add_argument("--victims", default="w0", help="workers killed at --kill-at (comma-separated)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--model", default="Qwen3-32B")
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
@@ -261,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/sidebyside")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
+    if args.scenario:
+        from gateway.sim.scenario import load_scenario
+
+        sc = load_scenario(args.scenario)
+        args.workers, args.model = sc.cluster.workers, sc.cluster.model
+        first = sc.victims(args.seed)[0] if sc.failures else []
+        args.victims = ",".join(first) or args.victims
+        # the scenario's rate is for modelled GPUs; a CPU box streams ~14 req/s per 4 workers at best
+        args.rate = min(args.rate, 3.5 * args.workers)
     out = Path(args.out)
     shapes = conv_like(args.duration, args.rate, args.seed, args.scale)
     modes = [m for m in args.modes.split(",") if m]
