@@ -17,6 +17,8 @@ COLUMNS = (
     ("recovery_time_robust_s", "recovery 5s/1.25x s", "{:.0f}"),
     ("impact_ttft_robust_s", "impact TTFT 5s/1.25x s", "{:.3f}"),
     ("impact_ttft_x_baseline", "x no-failure", "{:.2f}"),
+    ("ttft_after_failure_s", "TTFT common window s", "{:.3f}"),
+    ("ttft_after_failure_x_baseline", "x no-failure (common)", "{:.2f}"),
     ("client_errors", "errors", "{}"),
     ("interrupted", "interrupted", "{}"),
     ("restores", "restores", "{}"),
@@ -34,6 +36,7 @@ RATIO_KEYS = (
     ("impact_tpot_mean_s", "impact TPOT"),
     ("recovery_time_robust_s", "recovery 5s/1.25x"),
     ("impact_ttft_robust_s", "impact TTFT 5s/1.25x"),
+    ("ttft_after_failure_s", "TTFT common window"),
 )
 REFERENCES = ("stop_restart", "fixed_checkpoint")
 
@@ -77,7 +80,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "Recovery and impact columns follow EVALUATION.md (2 s windows, 1.1x); the 5s/1.25x columns "
         "apply the same definition to 5 s windows with 1.25x slack, robust to the ~5% per-window "
         "noise between two runs that diverged at the failure; 'x no-failure' divides that impact TTFT "
-        "by the no-failure run's mean TTFT over the same arrival window.",
+        "by the no-failure run's mean TTFT over the same arrival window. 'common window': mean TTFT of "
+        "requests arriving in [failure, failure + H], H = the median of the modes' 5s/1.25x recovery "
+        f"times ({_cell(base.get('window_s'), '{:.0f}')} s), the same requests for every mode.",
     ]
     for ref in REFERENCES:
         if ref not in modes:

@@ -157,6 +157,31 @@ class ScenarioReport:
         }
 
 
+def common_window(report: ScenarioReport) -> None:
+    """Mean TTFT after the failure over ONE window for every mode: [failure, failure + H].
+
+    H is the median of the modes' robust recovery times (to the run's end if none recovered).
+    Impact TTFT uses each mode's own recovery time as its window, so a mode with a spuriously
+    long recovery is averaged over more calm requests; this compares every mode on the same ones.
+    """
+    fail = report.scenario.failure_at
+    if fail is None:
+        return
+    times = sorted(
+        m["recovery_time_robust_s"] for m in report.modes.values() if m["recovery_time_robust_s"] is not None
+    )
+    horizon = times[len(times) // 2] if times else None
+    for mode, run in report.runs.items():
+        base = report.baseline_for(mode)
+        got = ev.failure_impact(run.records, fail, horizon).mean_ttft
+        ref = ev.failure_impact(base.records, fail, horizon).mean_ttft
+        report.modes[mode].update(
+            window_s=horizon,
+            ttft_after_failure_s=_r(got),
+            ttft_after_failure_x_baseline=_r(_ratio(got, ref), 2),
+        )
+
+
 def with_overrides(
     scenario: Scenario, duration_s: float | None = None, rate: float | None = None
 ) -> Scenario:
@@ -207,6 +232,7 @@ def run_scenario(
             run = base
         report.runs[m] = run
         report.modes[m] = metrics(run, base)
+    common_window(report)
     report.wall_s = time.perf_counter() - start
     if progress is not None:
         progress(total, total, "done", 0.0)

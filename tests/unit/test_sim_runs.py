@@ -101,10 +101,15 @@ def test_run_scenario_summary_has_every_metric() -> None:
             "restores",
             "replays",
             "acceptance_rate",
+            "recovery_time_robust_s",
+            "impact_ttft_x_baseline",
+            "ttft_after_failure_s",
         ):
             assert key in m
     assert summary["modes"]["none"]["client_errors"] > 0
     assert summary["modes"]["lumen"]["client_errors"] == 0
+    # one common window for every mode
+    assert len({m["window_s"] for m in summary["modes"].values()}) == 1
     json.dumps(summary, allow_nan=False)
 
 
