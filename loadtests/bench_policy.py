@@ -1,0 +1,335 @@
+"""Policy cost: routing, holder choice and recovery dispatch decision time at cluster scale.
+
+    python -m loadtests.bench_policy --workers 64 --inflight 10000 --decisions 20000
+
+Builds a ClusterView of `--workers` HEALTHY workers carrying `--inflight` requests (conv-like
+lengths, Llama-3-70B/H100 TP4 KV sizes, each worker's requests split into a running batch of at most
+`--max-running` and a waiting queue). Every in-flight request is given a holder by the policy itself
+(`choose_holders` + `with_assignment`, untimed), so holders' checkpoint tokens are what the policy
+would have produced. Then, in steady state (each timed decision for a new request is paired with the
+release of the oldest one, untimed), every call is timed alone with `time.perf_counter_ns`:
+
+- `route`: `choose_worker` (where a new request goes);
+- `holders`: `choose_holders` alone; `holders+assign`: `choose_holders` and `with_assignment` for
+  each chosen holder (the decision the shell makes per request, the goal's figure); the same with
+  two replicas and four failure domains excluded from the serving one, and with the ring placement;
+- `view_rebuild`: rebuilding a 64-worker view with one `dataclasses.replace` per worker (what the
+  shell's checkpoint manager does before each choice), for scale;
+- `dispatch/<rule>`: `dispatch` for requests of one FAILED worker, per rule.
+
+Rows are interleaved over `--repeats` rounds and pooled. Goal: p99 < 50 µs per decision. Any row
+over it is profiled with cProfile and its hot spots printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import random
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gateway.core.costmodel import CostModel
+from gateway.core.dispatch import DispatchParams, InterruptedRequest, dispatch
+from gateway.core.health import WorkerState
+from gateway.core.holders import HolderParams, choose_holders, with_assignment
+from gateway.core.router import choose_worker
+from gateway.core.types import ClusterView, LoadParams, WorkerView
+
+GiB = 1024**3
+GOAL_P99_US = 50.0
+
+
+@dataclasses.dataclass(slots=True)
+class Fleet:
+    """The mutable state the benchmark keeps around its (immutable) view."""
+
+    view: ClusterView
+    kv_bytes_per_token: int
+    # (holders, tokens) of every in-flight request, oldest first
+    inflight: deque[tuple[tuple[str, ...], int]]
+    rnd: random.Random
+
+    def request_tokens(self) -> tuple[int, int]:
+        """(context, remaining) of a conv-like request (Azure conv trace lognormals)."""
+        prompt = int(min(4142, max(16, self.rnd.lognormvariate(6.93, 0.77))))
+        output = int(min(601, max(8, self.rnd.lognormvariate(4.86, 0.93))))
+        done = self.rnd.randrange(output)
+        return prompt + done, output - done
+
+    def assign(self, serving: str, params: HolderParams) -> None:
+        context, remaining = self.request_tokens()
+        tokens = context + remaining
+        chosen = choose_holders(self.view, serving, tokens * self.kv_bytes_per_token, params)
+        for h in chosen:
+            self.view = with_assignment(self.view, h, tokens, tokens * self.kv_bytes_per_token)
+        self.inflight.append((chosen, tokens))
+
+    def release_oldest(self) -> None:
+        chosen, tokens = self.inflight.popleft()
+        for h in chosen:
+            self.view = with_assignment(self.view, h, -tokens, -tokens * self.kv_bytes_per_token)
+
+
+def build_fleet(args: argparse.Namespace, params: HolderParams) -> Fleet:
+    rnd = random.Random(args.seed)
+    cost = CostModel.preset(args.model, args.gpu)
+    per_worker = np.bincount(
+        [rnd.randrange(args.workers) for _ in range(args.inflight)], minlength=args.workers
+    )
+    workers = []
+    for i, n in enumerate(per_worker):
+        running = min(int(n), args.max_running)
+        workers.append(
+            WorkerView(
+                id=f"w{i}",
+                state=WorkerState.HEALTHY,
+                incarnation=1,
+                running=running,
+                waiting=int(n) - running,
+                pending=rnd.randrange(4),
+                kv_tokens_used=running * 1300,
+                kv_capacity_tokens=cost.kv_capacity_tokens(),
+                ckpt_budget_bytes=args.budget_gib * GiB,
+                failure_domain=f"d{i % args.domains}",
+            )
+        )
+    fleet = Fleet(ClusterView.of(workers), cost.model.kv_bytes_per_token, deque(), rnd)
+    ids = list(fleet.view.workers)
+    for _ in range(args.inflight):
+        fleet.assign(rnd.choice(ids), params)
+    return fleet
+
+
+Thunk = Callable[[], object]
+
+
+def row_makers(
+    fleet: Fleet, load: LoadParams, cost: CostModel, failed: str
+) -> dict[str, Callable[[], Thunk]]:
+    """Per row: a function that does the untimed setup of one decision and returns the timed call."""
+    ids = list(fleet.view.workers)
+    rnd = fleet.rnd
+    base = HolderParams(load=load)
+
+    def route() -> Thunk:
+        return lambda: choose_worker(fleet.view, load)
+
+    def holders() -> Thunk:
+        serving, (ctx, rem) = rnd.choice(ids), fleet.request_tokens()
+        need = (ctx + rem) * fleet.kv_bytes_per_token
+        return lambda: choose_holders(fleet.view, serving, need, base)
+
+    def assigning(params: HolderParams) -> Callable[[], Thunk]:
+        def make() -> Thunk:
+            fleet.release_oldest()  # steady state: one request ends as another starts
+            serving = rnd.choice(ids)
+            return lambda: fleet.assign(serving, params)
+
+        return make
+
+    def view_rebuild() -> Thunk:
+        extra = {wid: rnd.randrange(1000) for wid in ids}
+        return lambda: ClusterView(
+            {
+                wid: dataclasses.replace(w, ckpt_tokens=w.ckpt_tokens + extra[wid])
+                for wid, w in fleet.view.workers.items()
+            }
+        )
+
+    def dispatching(rule: str) -> Callable[[], Thunk]:
+        params = DispatchParams(load=load, rule=rule)  # type: ignore[arg-type]
+
+        def make() -> Thunk:
+            # a failure: `failed` is FAILED; one of its in-flight requests resumes elsewhere
+            w = fleet.view.workers[failed]
+            down = ClusterView(
+                {**fleet.view.workers, failed: dataclasses.replace(w, state=WorkerState.FAILED)}
+            )
+            ctx, rem = fleet.request_tokens()
+            held, _ = fleet.inflight[rnd.randrange(len(fleet.inflight))]
+            req = InterruptedRequest(
+                rid="r",
+                failed_worker=failed,
+                holders=held,
+                durable_tokens=rnd.randrange(ctx + 1),
+                context_tokens=ctx,
+                remaining_tokens=rem,
+            )
+            return lambda: dispatch(down, req, params, cost)
+
+        return make
+
+    return {
+        "route": route,
+        "holders": holders,
+        "holders+assign": assigning(base),
+        "holders+assign r=2 domains": assigning(
+            HolderParams(load=load, replicas=2, exclude_failure_domain=True)
+        ),
+        "holders+assign ring": assigning(HolderParams(load=load, placement="ring")),
+        "view_rebuild": view_rebuild,
+        "dispatch/threshold": dispatching("threshold"),
+        "dispatch/cost": dispatching("cost"),
+        "dispatch/always_holder": dispatching("always_holder"),
+    }
+
+
+def time_row(make: Callable[[], Thunk], n: int) -> tuple[list[int], float]:
+    """`n` decisions timed one by one (ns each), and the CPU seconds the timed calls used in all."""
+    samples = []
+    cpu = 0
+    for _ in range(n):
+        thunk = make()
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        thunk()
+        t1 = time.perf_counter_ns()
+        cpu += time.thread_time_ns() - c0
+        samples.append(t1 - t0)
+    return samples, cpu / 1e9
+
+
+def profile_row(make: Callable[[], Thunk], n: int) -> str:
+    """cProfile of `n` decisions of one row (setup excluded), top functions by own time."""
+    prof = cProfile.Profile()
+    for _ in range(n):
+        thunk = make()
+        prof.enable()
+        thunk()
+        prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    return buf.getvalue()
+
+
+def summarize(samples: list[int]) -> dict[str, Any]:
+    us = np.asarray(samples, dtype=np.float64) / 1000.0
+    return {
+        "n": len(samples),
+        "p50_us": float(np.percentile(us, 50)),
+        "p99_us": float(np.percentile(us, 99)),
+        "max_us": float(us.max()),
+        "mean_us": float(us.mean()),
+    }
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--inflight", type=int, default=10_000)
+    ap.add_argument("--decisions", type=int, default=12_000, help="timed decisions per row and round")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds (rows interleaved, samples pooled)")
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--domains", type=int, default=4, help="failure domains (workers round-robin)")
+    ap.add_argument("--budget-gib", type=int, default=128, help="checkpoint budget per holder")
+    ap.add_argument("--model", default="Llama-3-70B")
+    ap.add_argument("--gpu", default="H100-80G")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--profile-decisions", type=int, default=5000)
+    ap.add_argument("--out", default="out/bench_policy.json")
+    args = ap.parse_args(argv)
+    if args.workers < 2 or args.inflight < 1 or args.decisions < 1:
+        ap.error("need --workers >= 2, --inflight >= 1, --decisions >= 1")
+
+    load = LoadParams(nominal_batch=args.max_running)
+    cost = CostModel.preset(args.model, args.gpu)
+    t0 = time.monotonic()
+    fleet = build_fleet(args, HolderParams(load=load))
+    print(
+        f"built {args.workers} workers / {args.inflight} in flight in {time.monotonic() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    failed = "w7" if args.workers > 7 else "w1"
+    makers = row_makers(fleet, load, cost, failed)
+    pooled: dict[str, list[int]] = {}
+    per_round_p99: dict[str, list[float]] = {}
+    cpu_s: dict[str, float] = {}
+    for rnd_i in range(args.repeats):
+        for row, make in makers.items():
+            gc.collect()
+            ns, cpu = time_row(make, args.decisions)
+            pooled.setdefault(row, []).extend(ns)
+            per_round_p99.setdefault(row, []).append(float(np.percentile(ns, 99)) / 1000.0)
+            cpu_s[row] = cpu_s.get(row, 0.0) + cpu
+        print(f"round {rnd_i + 1}/{args.repeats} done", file=sys.stderr)
+
+    ckpt = [w.ckpt_bytes / max(1, w.ckpt_budget_bytes) for w in fleet.view.workers.values()]
+    report: dict[str, Any] = {
+        "command": "python -m loadtests.bench_policy " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores py{platform.python_version()}",
+        "loadavg_at_start": os.getloadavg(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "commit": _commit(),
+        "args": vars(args),
+        "fleet": {
+            "budget_used_min": min(ckpt),
+            "budget_used_max": max(ckpt),
+            "holder_balance": max(w.ckpt_tokens for w in fleet.view.workers.values())
+            / max(1, min(w.ckpt_tokens for w in fleet.view.workers.values())),
+        },
+        "goal_p99_us": GOAL_P99_US,
+        "rows": {},
+        "profiles": {},
+    }
+    print(
+        f"\nPolicy decision time, {args.workers} workers, {args.inflight} in flight, "
+        f"{args.repeats} x {args.decisions} decisions per row (µs per decision)\n"
+    )
+    print(
+        "| decision | n | p50 µs | p99 µs | max µs | p99 per round µs | CPU µs/decision | goal p99 < 50 µs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row, ns in pooled.items():
+        s = summarize(ns)
+        s["p99_per_round_us"] = per_round_p99[row]
+        s["cpu_mean_us"] = 1e6 * cpu_s[row] / len(ns)
+        informational = row == "view_rebuild"
+        s["goal_met"] = None if informational else s["p99_us"] < GOAL_P99_US
+        report["rows"][row] = s
+        goal = "(context)" if informational else ("yes" if s["goal_met"] else "**no**")
+        rounds = " / ".join(f"{x:.1f}" for x in per_round_p99[row])
+        print(
+            f"| {row} | {s['n']} | {s['p50_us']:.1f} | {s['p99_us']:.1f} | {s['max_us']:.0f} | {rounds} | {s['cpu_mean_us']:.1f} | {goal} |"
+        )
+    print(
+        f"\nholder budgets used: {min(ckpt):.0%}..{max(ckpt):.0%}; "
+        f"holder balance (max/min ckpt tokens): {report['fleet']['holder_balance']:.2f}"
+    )
+    for row, s in report["rows"].items():
+        if s["goal_met"] is False:
+            prof = profile_row(makers[row], args.profile_decisions)
+            report["profiles"][row] = prof
+            print(f"\ncProfile of {row} ({args.profile_decisions} decisions), by own time:\n{prof}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
