@@ -12,7 +12,12 @@ are dropped.
 
 Heartbeats carry the checkpoint plane's state in modelled bytes: the store's use, the durable tokens
 of every held request that changed since the previous beat (all of them in a session's first beat,
-so a restarted gateway learns the whole state), and the checkpoints the sender abandoned.
+so a restarted gateway learns the whole state), and the checkpoints the sender abandoned; and the
+worker's draft-assist totals as a target (`DraftStats`: drafts verified, accepted, assisted steps).
+
+Hello carries `draft_endpoint` while the worker runs a drafter: a restarting worker with a draft model
+binds its drafter before it attaches, so the gateway knows where to send targets once it reports
+DRAFT_READY. StartDraftAssist / StopDraftAssist go to the engine's assist roles.
 """
 
 from __future__ import annotations
@@ -172,6 +177,7 @@ class Agent:
             draft_model=spec.draft_model,
             http_url=self.http_url,
             kv_endpoint=self.engine.ckpt.endpoint,
+            draft_endpoint=self.engine.assist.endpoint,
             kv_capacity_tokens=self.engine.pool.capacity_tokens,
             ckpt_budget_bytes=self.engine.ckpt.stats().budget_bytes,
             failure_domain=spec.failure_domain,
@@ -222,6 +228,7 @@ class Agent:
         s = self.engine.stats()
         ckpt = self.engine.ckpt
         c = ckpt.stats()
+        d = self.engine.assist.totals()
         return pb.Heartbeat(
             seq=seq,
             phase=pb.Phase.Value(s.phase.value),
@@ -237,6 +244,7 @@ class Agent:
             ckpt_bytes_sent_total=c.bytes_sent,
             ckpt_pages_evicted_total=c.pages_evicted,
             restores_total=c.restores,
+            draft=pb.DraftStats(drafted_tokens=d.drafted, accepted_tokens=d.accepted, rounds=d.rounds),
         )
 
     async def _dispatch(self, call: grpc.aio.StreamStreamCall, incarnation: int) -> None:
@@ -259,13 +267,18 @@ class Agent:
             a = msg.assign_holder
             resent = engine.assign_holders(a.rid, [h.kv_endpoint for h in a.holders])
             log.info("holders assigned", rid=a.rid, holders=[h.worker_id for h in a.holders], resent=resent)
+        elif kind == "start_draft_assist":
+            s = msg.start_draft_assist
+            engine.assist.start_pair(s.peer_id, s.peer_endpoint, s.role, s.k)
+        elif kind == "stop_draft_assist":
+            engine.assist.stop_pair(msg.stop_draft_assist.peer_id)
         elif kind == "refuse":
             self.refusals += 1
             raise SessionEnded(f"refused: {msg.refuse.reason}")
         elif kind == "welcome":
             log.warning("duplicate Welcome ignored", worker_id=engine.worker_id)
         else:
-            log.info("command not implemented yet", worker_id=engine.worker_id, command=kind)
+            log.info("unknown command ignored", worker_id=engine.worker_id, command=kind)
 
 
 def _describe(exc: BaseException) -> str:

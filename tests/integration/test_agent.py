@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
 
 from gateway.protocol import control_pb2 as pb
@@ -21,6 +22,7 @@ from gateway.protocol.control_pb2_grpc import ControlServicer, add_ControlServic
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
 from gateway.protocol.launch import EngineSpec, encode_spec
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
+from worker_hooks.engine.synthetic import expected_output
 from worker_hooks.engine.worker import Worker, start_worker
 
 
@@ -349,3 +351,79 @@ async def test_abandoned_checkpoints_are_reported() -> None:
         await wait_until(lambda: any("lagging" in b.abandoned_checkpoints for b in session.heartbeats))
         await asyncio.sleep(0.1)
         assert sum(list(b.abandoned_checkpoints).count("lagging") for b in session.heartbeats) == 1
+
+
+# -- draft assist over the control plane --------------------------------------------------------------
+DRAFTED = {"model": "Qwen3-8B", "draft_model": "Qwen3-0.6B"}
+
+
+async def test_a_restarting_worker_announces_its_drafter_and_reports_its_phases() -> None:
+    s = spec("", worker_id="w-d", restart=True, draft_load_s=10.0, model_load_s=30.0, **DRAFTED)
+    async with (
+        gateway() as (gw, address),
+        start_worker(msgspec.structs.replace(s, control_address=address)) as w,
+    ):
+        session = await gw.wait_sessions(1)
+        h = session.hello
+        assert h.phase == pb.LOADING_DRAFT and h.draft_model == "Qwen3-0.6B"
+        assert h.draft_endpoint == w.engine.assist.endpoint != ""
+        inc = h.incarnation
+        await wait_until(lambda: bool(session.heartbeats) and session.heartbeats[-1].phase == pb.DRAFT_READY)
+        session.outbox.put_nowait(
+            pb.GatewayMessage(
+                incarnation=inc,
+                start_draft_assist=pb.StartDraftAssist(peer_id="w-t", role="drafter", k=4),
+            )
+        )
+        drafter = w.engine.assist.drafter
+        assert drafter is not None
+        await wait_until(lambda: drafter.peers == {"w-t"})
+        await wait_until(lambda: session.heartbeats[-1].phase == pb.SERVING)
+        # serving now; the drafter lingers until the gateway ends the pair, then retires
+        assert w.engine.assist.endpoint != ""
+        session.outbox.put_nowait(
+            pb.GatewayMessage(incarnation=inc, stop_draft_assist=pb.StopDraftAssist(peer_id="w-t"))
+        )
+        await wait_until(lambda: w.engine.assist.endpoint == "")
+        phases = [b.phase for b in session.heartbeats]
+        order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+        assert order == [pb.LOADING_DRAFT, pb.DRAFT_READY, pb.SERVING]
+
+
+async def test_heartbeats_carry_the_targets_draft_stats() -> None:
+    drafter_spec = spec(
+        "", worker_id="w-d", restart=True, draft_load_s=0.0, model_load_s=1e5, ckpt_budget_bytes=0, **DRAFTED
+    )
+    async with (
+        gateway() as (gw, address),
+        start_worker(spec(address, **DRAFTED)) as w,
+        start_worker(drafter_spec) as d,
+    ):
+        session = await gw.wait_sessions(1)
+        await wait_until(lambda: d.engine.phase.value == "DRAFT_READY")
+        assert session.hello.draft_endpoint == ""  # a worker that is not restarting drafts for nobody
+        start = pb.StartDraftAssist(peer_id="w-d", peer_endpoint=d.engine.assist.endpoint, role="target", k=3)
+        session.outbox.put_nowait(pb.GatewayMessage(incarnation=w.incarnation, start_draft_assist=start))
+        await wait_until(lambda: w.engine.assist.speculator is not None)
+        prompt = [32 + j % 90 for j in range(100)]
+        params = SamplingParams(max_new_tokens=300, temperature=0.0)
+        handle = w.engine.submit(GenerateRequest(rid="assisted", input_ids=prompt, sampling_params=params))
+        out: list[int] = []
+        while (e := await handle.next()).finish is None:
+            out.extend(e.new_ids)
+        out.extend(e.new_ids)
+        assert out == expected_output(prompt, params)[0]
+        totals = w.engine.assist.totals()
+        assert totals.accepted > 0
+        want = pb.DraftStats(
+            drafted_tokens=totals.drafted, accepted_tokens=totals.accepted, rounds=totals.rounds
+        )
+        await wait_until(lambda: session.heartbeats[-1].draft == want)
+        d_stats = session.heartbeats[-1].draft
+        assert d_stats.drafted_tokens >= d_stats.accepted_tokens and d_stats.rounds > 0
+        session.outbox.put_nowait(
+            pb.GatewayMessage(incarnation=w.incarnation, stop_draft_assist=pb.StopDraftAssist(peer_id="w-d"))
+        )
+        await wait_until(lambda: w.engine.assist.speculator is None)
+        await asyncio.sleep(0.05)
+        assert session.heartbeats[-1].draft == d_stats  # totals outlive the pair

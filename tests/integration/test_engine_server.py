@@ -372,7 +372,7 @@ async def test_a_crashed_engine_loop_ends_streams_and_refuses_work(client: aioht
             resp = await client.post(w.url + "/generate", json=body("x", [1] * 5, max_new_tokens=10_000))
             await resp.content.readuntil(b"\n\n")
 
-            def explode() -> None:
+            def explode(*_: object) -> None:
                 raise Boom("step failed")
 
             w.engine.scheduler.step = explode  # type: ignore[method-assign,assignment]

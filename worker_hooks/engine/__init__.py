@@ -1,8 +1,10 @@
 """Lumen's own worker: an SGLang-compatible server over a continuous-batching engine.
 
 Modules: `synthetic` (the deterministic model and `expected_output`), `pages` (paged KV accounting),
-`scheduler` (step composition), `engine` (the real-time step loop), `checkpointing` (the worker's
-checkpoint store, page streaming and restore lookup), `handle` (one request's emissions),
+`scheduler` (step composition, draft verification), `engine` (the real-time step loop), `loading`
+(a starting worker's phase plan), `checkpointing` (the worker's checkpoint store, page streaming and
+restore lookup), `assist` (the draft-assist roles: `drafting` for a restarting worker's drafter,
+`speculative` for a target's drafts and adaptive k), `handle` (one request's emissions),
 `validation` (admission checks), `server` and `info` (HTTP), `metrics`, `worker` (`start_worker`,
 in-process), `__main__` (the process entry point).
 """

@@ -1,7 +1,7 @@
 """Run one worker: `python -m worker_hooks.engine --spec '<EngineSpec JSON>'` (or `--spec-file PATH`).
 
 On start it prints one JSON line to stdout,
-`{"event": "listening", "worker_id", "url", "incarnation", "kv_endpoint"}`,
+`{"event": "listening", "worker_id", "url", "incarnation", "kv_endpoint", "draft_endpoint"}`,
 so a supervisor can learn the bound port; logs go to stderr. SIGTERM/SIGINT shut it down cleanly.
 When started by a supervisor that sets LUMEN_PARENT_PID, the worker also shuts down once that parent
 is gone, so a crashed gateway leaves no orphan workers behind.
@@ -70,6 +70,7 @@ async def serve(spec: EngineSpec) -> None:
                 "url": worker.url,
                 "incarnation": worker.incarnation,
                 "kv_endpoint": worker.kv_endpoint,
+                "draft_endpoint": worker.engine.assist.endpoint,
             }
             # fault injection for gray failures: SIGUSR1 freezes the engine loop, SIGUSR2 resumes it
             loop.add_signal_handler(signal.SIGUSR1, worker.engine.pause)

@@ -1,11 +1,15 @@
 """The engine shell: runs the scheduler in (scaled) real time and hands tokens to request streams.
 
 It owns the step loop and the model-load timer (both started by `start()` and awaited by `stop()`),
-the worker's incarnation and phase, the checkpointer (store, sender, restores), and one
-`RequestHandle` per live request. Each step sleeps until an absolute deadline advanced by the
-modelled step time, so the CPU time the step itself took is not added on top, and timer granularity
-(uvloop rounds to 1 ms) evens out over steps. A step that admits a request with a restored prefix
-also pays the modelled host-to-device copy of that prefix.
+the worker's incarnation and phase, the checkpointer (store, sender, restores), the draft-assist
+roles (assist.py) and one `RequestHandle` per live request. Each step sleeps until an absolute
+deadline advanced by the modelled step time, so the CPU time the step itself took is not added on
+top, and timer granularity (uvloop rounds to 1 ms) evens out over steps. A step that admits a request
+with a restored prefix also pays the modelled host-to-device copy of that prefix; an assisted step
+first waits (at most draft_timeout) for its drafts and pays for verifying them.
+
+A restart walks its load plan (loading.py). The switch to SERVING is one assignment in the load task,
+so the first request after it is admitted by the next step with no load wait left.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
 from worker_hooks.engine import errors
+from worker_hooks.engine.assist import Assist
 from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.handle import RequestHandle
+from worker_hooks.engine.loading import load_plan
 from worker_hooks.engine.pages import PagePool
-from worker_hooks.engine.scheduler import Emission, Scheduler
+from worker_hooks.engine.scheduler import Drafts, Emission, Scheduler
 from worker_hooks.engine.synthetic import SyntheticModel
 from worker_hooks.engine.validation import validate
 
@@ -78,7 +84,10 @@ class Engine:
             chunked_prefill_size=spec.chunked_prefill_size,
         )
         self.incarnation = now_us()
-        self.phase = Phase.LOADING_FULL if spec.restart else Phase.SERVING
+        self.load_plan = load_plan(spec, self.cost)
+        self.phase = self.load_plan.first
+        # a restarting worker with a draft model drafts for a survivor while its full model loads
+        self.assist = Assist(spec, self.worker_id, self.cost, drafter=self.load_plan.drafts)
         self.ckpt = Checkpointer(spec, self.worker_id, self.cost.model)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
@@ -97,16 +106,13 @@ class Engine:
         self.busy_s_total = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def load_time_s(self) -> float:
-        load = self.spec.model_load_s if self.spec.model_load_s is not None else self.cost.load_time()
-        return load * self.spec.time_scale
-
     async def start(self) -> None:
         if self._loop_task is not None:
             raise RuntimeError("engine already started")
         await self.ckpt.start(self.incarnation)
+        await self.assist.start()  # a drafter binds now: Hello carries its endpoint from the first session
         self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.worker_id}")
-        if self.phase is Phase.LOADING_FULL:
+        if self.load_plan.changes:
             self._load_task = asyncio.create_task(self._load(), name=f"load-{self.worker_id}")
 
     def pause(self) -> None:
@@ -125,11 +131,12 @@ class Engine:
         """Abort every request (their streams end with an abort chunk) and stop the owned tasks."""
         self.phase = Phase.DRAINING  # refuse what arrives until the HTTP server has closed
         self.abort_all("worker shutting down")
-        for task in (self._load_task, self._loop_task):
+        tasks = (self._load_task, self._loop_task)
+        for task in tasks:
             if task is not None:
                 task.cancel()
         try:
-            for task in (self._load_task, self._loop_task):
+            for task in tasks:
                 if task is not None:
                     try:
                         await task
@@ -137,15 +144,24 @@ class Engine:
                         pass
         finally:  # a crashed loop re-raises here; the sockets still close
             self._load_task = self._loop_task = None
+            await self.assist.close()
             await self.ckpt.close()
 
     async def _load(self) -> None:
-        t = self.load_time_s()
-        log.info("loading model", worker_id=self.worker_id, modelled_s=t)
-        await asyncio.sleep(t)
-        if self.phase is Phase.LOADING_FULL:
-            self.phase = Phase.SERVING
-            log.info("serving", worker_id=self.worker_id, incarnation=self.incarnation)
+        """Walk the load plan; once serving, retire the drafter (after its pairs and rounds end)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        log.info("loading model", worker_id=self.worker_id, plan=self.load_plan)
+        for at, phase in self.load_plan.changes:
+            await asyncio.sleep(max(0.0, start + at - loop.time()))
+            if self.phase in (Phase.DRAINING, Phase.SERVING):
+                break  # drained while loading: stays so
+            if phase is Phase.DRAFT_READY and self.assist.drafter is not None:
+                self.assist.drafter.set_ready()
+            self.phase = phase
+            log.info("phase", worker_id=self.worker_id, phase=phase.value, incarnation=self.incarnation)
+        if self.assist.drafter is not None:
+            await self.assist.drafter.retire()
 
     def drain(self) -> None:
         """Stop taking new requests; those in flight finish."""
@@ -157,6 +173,7 @@ class Engine:
         n = len(self.abort_all("worker incarnation reset"))
         self.incarnation = max(now_us(), old + 1)
         self.ckpt.reset(self.incarnation)
+        self.assist.reset()  # the gateway drops every pair of the old incarnation without telling us
         log.info("incarnation reset", worker_id=self.worker_id, old=old, new=self.incarnation, aborted=n)
         return self.incarnation
 
@@ -269,8 +286,10 @@ class Engine:
                 if not self._unpaused.is_set():
                     await self._unpaused.wait()
                     deadline = loop.time()
+                sp = self.assist.speculator
+                drafts: dict[str, Drafts] = await sp.collect() if sp is not None else {}  # <= draft_timeout
                 t0 = time.perf_counter()
-                result = self.scheduler.step()
+                result = self.scheduler.step(drafts)
                 if result.empty:
                     # defensive: nothing admissible and nothing running; wait for a submit or an abort
                     self._wake.clear()
@@ -289,6 +308,10 @@ class Engine:
                 # the step's pages exist once it has run; its finished requests end after them
                 self.ckpt.after_step()
                 self._deliver(result.emissions)
+                if self.assist.speculator is not None:
+                    # a pair that changed during the step does not count the old pair's verifications
+                    verified = result.verified if self.assist.speculator is sp else ()
+                    self.assist.speculator.after_step(verified, self.scheduler.decoding())
                 self.busy_s_total += (t1 - t0) + (time.perf_counter() - t2)
         except asyncio.CancelledError:
             raise

@@ -70,6 +70,14 @@ class EngineCollector(Collector):
         yield counter(
             "lumen_restored_tokens", "Prompt tokens restored instead of prefilled.", c.restored_tokens
         )
+        d = engine.assist.totals()
+        yield counter(
+            "lumen_draft_verified_tokens", "Drafts verified for this worker (as a target).", d.drafted
+        )
+        yield counter(
+            "lumen_draft_accepted_tokens", "Drafts accepted by this worker's verification.", d.accepted
+        )
+        yield counter("lumen_draft_assisted_steps", "Engine steps that verified drafts.", d.rounds)
         phase = GaugeMetricFamily("lumen_phase", "1 for the phase the worker is in.", labels=["phase"])
         for p in Phase:
             phase.add_metric([p.value], 1.0 if p is s.phase else 0.0)

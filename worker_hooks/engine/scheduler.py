@@ -9,6 +9,10 @@ Pure and synchronous: the engine shell calls `step()`, sleeps for the modelled t
   through their prompt first; a long prompt spans several steps;
 - every request that was decoding at the start of the step decodes one token; the step that
   completes a prompt also yields that request's first token;
+- a decoding request may come with drafts (speculative decoding, DESIGN 4.5): the step verifies them
+  in the same forward pass (`StepWork.verify_tokens`) and emits the accepted prefix plus the target's
+  own next token, one by one up to a finish. Greedy and seeded requests are verified by exact match
+  against the target's own tokens, so the output is token for token what plain decoding emits;
 - a request may arrive with a restored prefix (KV pages loaded from the checkpoint store): those
   tokens are in context from admission on and only the rest of the prompt is prefilled; the step
   that admits it reports them so the engine can charge the host-to-device copy.
@@ -17,8 +21,11 @@ Pure and synchronous: the engine shell calls `step()`, sleeps for the modelled t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from draft_models.synthetic import verify_synthetic
+from draft_models.verify import mode_for
 from gateway.core.costmodel import StepWork
 from gateway.protocol.generate import FinishReason, SamplingParams
 from worker_hooks.engine.pages import PagePool, pages_for
@@ -36,6 +43,7 @@ class Seq:
     stop_ids: frozenset[int]
     reserve_pages: int
     state: int
+    seed_base: int = 0
     prefilled: int = 0
     restored: int = 0  # prompt tokens whose KV came from the checkpoint store, not from prefill
     output: list[int] = field(default_factory=list)
@@ -60,6 +68,27 @@ class Seq:
     def prefilling(self) -> bool:
         return self.prefilled < len(self.prompt)
 
+    @property
+    def tokens_left(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """Draft tokens for one request, proposed after a context of length `position` (valid only there)."""
+
+    position: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """One request's verification in a step: `accepted` of its `drafted` drafts were kept."""
+
+    rid: str
+    drafted: int
+    accepted: int
+
 
 @dataclass(frozen=True, slots=True)
 class Emission:
@@ -76,6 +105,7 @@ class StepResult:
     work: StepWork
     emissions: list[Emission]
     restored_tokens: int = 0  # restored prefixes of the requests this step admitted (host -> GPU)
+    verified: tuple[Verification, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -115,6 +145,7 @@ class Scheduler:
             stop_ids=frozenset(params.stop_token_ids),
             reserve_pages=pages_for(len(prompt) + max(params.max_new_tokens, 0), self.pool.page_size),
             state=self.model.absorb(self.model.initial_state(), prompt[:restored]),
+            seed_base=seed_base,
             prefilled=restored,
             restored=restored,
         )
@@ -158,9 +189,14 @@ class Scheduler:
     def kv_tokens_used(self) -> int:
         return sum(s.context_len for s in self.running)
 
+    def decoding(self) -> list[Seq]:
+        """The running requests whose next step decodes (their prompt is in context)."""
+        return [s for s in self.running if not s.prefilling]
+
     # -- one step -------------------------------------------------------------------------------
-    def step(self) -> StepResult:
-        decoding = [s for s in self.running if not s.prefilling]
+    def step(self, drafts: Mapping[str, Drafts] | None = None) -> StepResult:
+        """One step; `drafts` (by rid) are verified for the decoding requests whose context they fit."""
+        decoding = self.decoding()
         decode_contexts = [s.context_len for s in decoding]
         prefill: list[tuple[int, int]] = []
         emissions: list[Emission] = []
@@ -184,15 +220,23 @@ class Scheduler:
             restored += seq.restored
             budget -= self._prefill(seq, budget, prefill, emissions, finished)
 
+        verified: list[Verification] = []
         for seq in decoding:
-            self._emit_token(seq, emissions, finished)
+            d = drafts.get(seq.rid) if drafts else None
+            if d is None or d.position != seq.context_len:
+                self._emit_token(seq, emissions, finished)  # no drafts, or drafts for a stale context
+            else:
+                self._verify(seq, d.tokens, emissions, finished, verified)
 
         for seq in finished:
             self.running.remove(seq)
             self.pool.free(seq.rid)
             del self._by_rid[seq.rid]
             self.completed_total += 1
-        return StepResult(StepWork(prefill=prefill, decode_contexts=decode_contexts), emissions, restored)
+        work = StepWork(
+            prefill=prefill, decode_contexts=decode_contexts, verify_tokens=sum(v.drafted for v in verified)
+        )
+        return StepResult(work, emissions, restored, tuple(verified))
 
     def _prefill(
         self,
@@ -220,17 +264,42 @@ class Scheduler:
         return n
 
     def _emit_token(self, seq: Seq, emissions: list[Emission], finished: list[Seq]) -> None:
-        token = self.model.next_token(seq.state, seq.context_len, seq.sampler)
-        seq.output.append(token)
-        seq.state = mix64(seq.state ^ token)
-        self.pool.grow_to(seq.rid, pages_for(seq.context_len, self.pool.page_size))
-        n_out = len(seq.output)
-        kind = finish_of(token, n_out, seq.params, seq.stop_ids)
+        self._emit(seq, [self.model.next_token(seq.state, seq.context_len, seq.sampler)], emissions, finished)
+
+    def _verify(
+        self,
+        seq: Seq,
+        drafts: Sequence[int],
+        emissions: list[Emission],
+        finished: list[Seq],
+        verified: list[Verification],
+    ) -> None:
+        # never verify past the length limit: the bonus token is the last one the request may emit
+        drafts = drafts[: max(0, seq.tokens_left - 1)]
+        if not drafts:
+            self._emit_token(seq, emissions, finished)
+            return
+        mode = mode_for(seq.sampler)  # GREEDY or EXACT_SEEDED: outputs stay token-for-token exact
+        verdict = verify_synthetic(self.model, seq.state, seq.context_len, seq.sampler, drafts, mode=mode)
+        verified.append(Verification(seq.rid, len(drafts), verdict.accepted))
+        self._emit(seq, verdict.tokens, emissions, finished)
+
+    def _emit(self, seq: Seq, tokens: Sequence[int], emissions: list[Emission], finished: list[Seq]) -> None:
+        """Append `tokens` one by one, stopping at the first that finishes the request."""
+        new: list[int] = []
         finish = None
-        if kind == "length":
-            finish = FinishReason(type="length", length=seq.params.max_new_tokens)
-        elif kind == "stop":
-            finish = FinishReason(type="stop", matched=token)
-        emissions.append(Emission(seq.rid, [token], n_out, finish))
+        for token in tokens:
+            seq.output.append(token)
+            seq.state = mix64(seq.state ^ token)
+            new.append(token)
+            kind = finish_of(token, len(seq.output), seq.params, seq.stop_ids)
+            if kind == "length":
+                finish = FinishReason(type="length", length=seq.params.max_new_tokens)
+            elif kind == "stop":
+                finish = FinishReason(type="stop", matched=token)
+            if finish is not None:
+                break
+        self.pool.grow_to(seq.rid, pages_for(seq.context_len, self.pool.page_size))
+        emissions.append(Emission(seq.rid, new, len(seq.output), finish))
         if finish is not None:
             finished.append(seq)

@@ -1,0 +1,126 @@
+"""A restarting worker's drafter role (DESIGN 1.3, 4.5): it drafts for a survivor while its full model
+loads.
+
+The drafter's ROUTER socket is bound when the engine starts, so the first Hello already carries its
+`draft_endpoint` and no second Hello is needed; the draft model only proposes once it is loaded
+(`ready()`, the worker's DRAFT_READY). Before that a round is answered with no drafts (the gateway
+pairs no target with a worker that is still loading, so this only guards against an early peer).
+
+Once the full model serves, the role retires: it keeps answering until the gateway has ended every
+pair it was told about (StopDraftAssist) or `linger_s` has passed, then until no round has arrived
+for `quiet_s` (so rounds in flight are answered), and then it closes its socket. A target that sends
+after that sees its drafter gone and continues alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+
+from draft_models.drafter import DrafterServer
+from draft_models.synthetic import DraftState, Proposal, SyntheticDrafter
+from gateway.core.costmodel import CostModel
+from gateway.protocol.launch import EngineSpec
+from worker_hooks.engine.synthetic import Sampler
+
+log = structlog.get_logger(__name__)
+
+DRAFT_BIND = "tcp://127.0.0.1:0"
+# how long a retiring drafter waits for the gateway to end its pairs, and for rounds to stop arriving
+LINGER_S = 2.0
+MAX_QUIET_WAIT_S = 1.0
+QUIET_POLL_S = 0.005
+
+
+class _LoadingGate:
+    """The draft model behind a switch: contexts are tracked from the start, drafts only once loaded."""
+
+    def __init__(self, model: SyntheticDrafter) -> None:
+        self.model = model
+        self.loaded = False
+
+    def start(self, context: Sequence[int]) -> DraftState:
+        return self.model.start(context)
+
+    def sync(self, state: DraftState, tokens: Sequence[int]) -> None:
+        self.model.sync(state, tokens)
+
+    def propose(self, state: DraftState, k: int, sampler: Sampler, *, want_q: bool = False) -> Proposal:
+        if not self.loaded:
+            return Proposal((), () if want_q else None)
+        return self.model.propose(state, k, sampler, want_q=want_q)
+
+
+class DrafterRole:
+    def __init__(self, spec: EngineSpec, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.cost = CostModel.preset(spec.draft_model, spec.gpu)
+        # the same model seed and token range as the target, so agreeing drafts are the target's tokens
+        drafter = SyntheticDrafter(
+            spec.draft_agreement, model_seed=spec.model_seed, token_lo=spec.token_lo, token_hi=spec.token_hi
+        )
+        self._gate = _LoadingGate(drafter)
+        self._server = DrafterServer(self._gate, DRAFT_BIND, cost=self.cost, time_scale=spec.time_scale)
+        self.quiet_s = max(0.02, spec.draft_timeout_ms / 1000.0)
+        self.endpoint = ""  # "" before start and after retirement
+        self.peers: set[str] = set()  # targets the gateway paired us with
+        self._unpaired = asyncio.Event()
+        self._unpaired.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._gate.loaded
+
+    @property
+    def drafted_total(self) -> int:
+        return self._server.stats.drafted
+
+    async def start(self) -> None:
+        self.endpoint = await self._server.start()
+
+    def set_ready(self) -> None:
+        """The draft model is loaded: answer rounds with drafts from now on."""
+        self._gate.loaded = True
+        log.info("drafter ready", worker_id=self.worker_id, endpoint=self.endpoint)
+
+    # -- pairs (control plane) ------------------------------------------------------------------
+    def paired(self, target: str, k: int) -> None:
+        self.peers.add(target)
+        self._unpaired.clear()
+        log.info("drafting for", worker_id=self.worker_id, target=target, k=k, endpoint=self.endpoint)
+
+    def unpaired(self, target: str) -> None:
+        self.peers.discard(target)
+        if not self.peers:
+            self._unpaired.set()
+        log.info("drafting ended", worker_id=self.worker_id, target=target)
+
+    def forget_pairs(self) -> None:
+        """A new incarnation: the gateway no longer knows the pairs of the old one."""
+        self.peers.clear()
+        self._unpaired.set()
+
+    # -- retirement -----------------------------------------------------------------------------
+    async def retire(self, linger_s: float = LINGER_S) -> None:
+        """The full model serves: finish the pairs and the rounds in flight, then close."""
+        try:
+            await asyncio.wait_for(self._unpaired.wait(), linger_s)
+        except TimeoutError:
+            log.warning(
+                "drafter retiring with pairs open", worker_id=self.worker_id, peers=sorted(self.peers)
+            )
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + MAX_QUIET_WAIT_S
+        seen, quiet_since = self._server.stats.messages, loop.time()
+        while loop.time() < give_up and loop.time() - quiet_since < self.quiet_s:
+            await asyncio.sleep(QUIET_POLL_S)
+            if self._server.stats.messages != seen:
+                seen, quiet_since = self._server.stats.messages, loop.time()
+        await self.close()
+        log.info("drafter retired", worker_id=self.worker_id, drafted=self._server.stats.drafted)
+
+    async def close(self) -> None:
+        await self._server.close()
+        self.endpoint = ""
