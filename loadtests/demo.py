@@ -22,8 +22,15 @@ from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 from worker_hooks.engine.synthetic import expected_output
 
-# the demo's modelled GPU time runs at half speed of real, and a restart loads for 10 modelled seconds
-DEMO_OVERRIDES = {"engine.time_scale": 0.5, "engine.model_load_s": 10.0, "gateway.log_level": "warning"}
+# the demo runs modelled GPU time at 2x real speed; a restart loads its draft model in 2 modelled s and
+# its full model in 10; 16-token KV pages (default 64) so the demo's short prompts fill pages quickly
+DEMO_OVERRIDES = {
+    "engine.time_scale": 0.5,
+    "engine.model_load_s": 10.0,
+    "engine.draft_load_s": 2.0,
+    "engine.page_size": 16,
+    "gateway.log_level": "warning",
+}
 
 
 @dataclass(slots=True)
@@ -105,6 +112,7 @@ async def _drive(url: str, wl: Workload, kill_at: float, kill_mode: str, out: di
         out["events"] = await (await http.get(f"{url}/admin/events")).json()
         out["sessions"] = await (await http.get(f"{url}/admin/sessions")).json()
         out["workers"] = await (await http.get(f"{url}/admin/workers")).json()
+        out["assist"] = await (await http.get(f"{url}/admin/assist")).json()
 
 
 async def _kill_busiest(
@@ -195,7 +203,22 @@ def summarize(wl: Workload, out: dict[str, Any], mode: str) -> int:
         print(
             f"interrupted requests    {len(inter)} resumed on {sorted({i['resumed_on'] for i in inter if i['resumed_on']})}"
         )
+        restored = [i for i in inter if i.get("restored_tokens")]
+        print(
+            f"resumed by restore       {len(restored)} on their checkpoint holders "
+            f"({sum(i['restored_tokens'] for i in restored)} KV tokens restored, not recomputed); "
+            f"by replay {len(inter) - len(restored)}"
+        )
         print(f"resume delay p50 / max  {_pct(delays, 50)} / {_pct(delays, 100)}")
+        pairs = [e for e in out.get("assist", {}).get("events", []) if e["started"]]
+        if pairs:
+            acc = {w["id"]: (w["accepted_tokens"], w["drafted_tokens"]) for w in out["workers"]}
+            for e in pairs:
+                a, d = acc.get(e["target"], (0, 0))
+                rate = f"{a / d:.0%} of {d} drafted tokens accepted" if d else "no drafts verified"
+                print(
+                    f"draft assist            {e['drafter']} drafted for {e['target']} from t={e['t']:.1f}s: {rate}"
+                )
         rejoin = [e for e in back if e["t"] > killed["at"]]
         print(
             f"killed worker rejoined  {'yes, %.1f s after the kill' % (rejoin[0]['t'] - killed['at']) if rejoin else 'not yet'}"
@@ -209,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
     from gateway.cli import parse_set
 
     overrides = {**DEMO_OVERRIDES, **parse_set(args.set)}
-    mode = args.mode or "stop_restart"
+    mode = args.mode or "lumen"
     wl = make_workload(args.requests, args.rate, args.seed)
     print(
         f"Lumen demo: {args.workers} synthetic workers (Qwen3-32B on H100, modelled), {args.requests} streaming "

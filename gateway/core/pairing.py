@@ -6,7 +6,8 @@ drafter for a HEALTHY survivor until its full model is loaded. Rules:
 - Targets are the HEALTHY workers that are loaded (`L̂(t) > 0`) and not below the mean `L̂` of all
   HEALTHY workers. "Not below" rather than "above": a lone survivor, or survivors sharing the load
   evenly, are exactly the workers a drafter should help, and a strict test would never pair them.
-  A pair is dropped when its target falls below the mean or goes idle. A drafter is never a target.
+  A pair is dropped when its target falls more than `hysteresis` below the mean or goes idle (the
+  margin that also stops re-pairing from flapping). A drafter is never a target.
 - A current pair is kept while its drafter is DRAFT_READY and its target is still a target.
 - Free drafters, in id order, go to the most loaded target with room (`max_drafters_per_target`),
   so with no current pairs the most loaded survivor gets the first drafter.
@@ -67,7 +68,17 @@ def pair_drafters(
         d for d in set(drafters) if d in view.workers and view.workers[d].state is WorkerState.DRAFT_READY
     )
     targets = draft_targets(view, params, exclude=ready)
-    load = {wid: value for value, wid in targets}
+    # a current pair is kept while its target stays within `hysteresis` below the mean: two survivors
+    # sharing the load evenly would otherwise swap places above the mean every few heartbeats
+    healthy = {
+        w.id: estimated_load(w, params.load) for w in view.workers.values() if w.state in SERVING_STATES
+    }
+    mean = math.fsum(healthy.values()) / len(healthy) if healthy else 0.0
+    load = {
+        wid: value
+        for wid, value in healthy.items()
+        if wid not in ready and value > 0 and value >= mean - params.hysteresis
+    }
     cap = params.max_drafters_per_target
     pairs: dict[WorkerId, WorkerId] = {}
     count: Counter[WorkerId] = Counter()

@@ -149,3 +149,27 @@ def test_pairs_are_dropped_when_target_or_drafter_changes_state() -> None:
 def test_params_are_validated(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         PairingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_a_pair_survives_small_swaps_around_the_mean() -> None:
+    """Two survivors sharing the load evenly: the drafter stays with its target (no flapping)."""
+    from gateway.core.health import WorkerState as S
+    from gateway.core.pairing import PairingParams, pair_drafters
+    from gateway.core.types import ClusterView, LoadParams, WorkerView
+
+    def view(a: int, b: int) -> ClusterView:
+        return ClusterView.of(
+            [
+                WorkerView(id="d", state=S.DRAFT_READY, incarnation=2),
+                WorkerView(id="a", state=S.HEALTHY, incarnation=1, running=a),
+                WorkerView(id="b", state=S.HEALTHY, incarnation=1, running=b),
+            ]
+        )
+
+    params = PairingParams(load=LoadParams(nominal_batch=64), hysteresis=0.25)
+    pairs = pair_drafters(view(20, 18), ["d"], {}, params)
+    assert pairs == {"d": "a"}
+    # b edges above a by a few requests: a is now below the mean, but within the margin
+    assert pair_drafters(view(18, 21), ["d"], pairs, params) == {"d": "a"}
+    # far above: the drafter moves
+    assert pair_drafters(view(10, 50), ["d"], pairs, params) == {"d": "b"}
