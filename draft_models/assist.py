@@ -181,7 +181,13 @@ class DraftClient:
                     self.stats.timeouts += 1
                     return None
                 continue
-            frames = await sock.recv_multipart()
+            try:
+                # never block: poll() said readable, but the peer may vanish in between
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:  # closed under us (close() during a poll): no drafts this round
+                return None
             drafts = self._accept(frames, round)
             if drafts is not None:
                 return drafts
