@@ -5,8 +5,9 @@ failures on the same workload and seed. θ, τ and the rule only act after a fai
 no-failure run per (α, β) serves every cell.
 
 Cells are ranked by the mean TTFT of requests arriving in a fixed window after the failure,
-[failure, failure + H] with H the longest (robust, see runner.ROBUST_WINDOW_S) recovery time in the
-grid (the run's end if none recovered): unlike the failure-impact TTFT, whose window is each cell's own recovery time, it
+[failure, failure + H] with H the median (robust, see runner.ROBUST_WINDOW_S) recovery time over the
+grid (the run's end if none recovered; the median, because one cell's noisy recovery must not stretch
+every cell's window): unlike the failure-impact TTFT, whose window is each cell's own recovery time, it
 compares every cell over the same requests. Ties go to the shorter recovery time. The margin of the
 recommendation is how much worse its θ/τ grid neighbours are (relative increase of the score): a
 small margin means a flat optimum, i.e. the choice hardly matters there.
@@ -125,7 +126,8 @@ def tune(
         rec_s = point["recovery_time_robust_s"]
         if rec_s is not None:
             recoveries.append(rec_s)
-    horizon = max(recoveries) if recoveries else math.inf
+    recoveries.sort()
+    horizon = recoveries[len(recoveries) // 2] if recoveries else math.inf
     for point, result, _ in rows:
         point["score_ttft_s"] = _score(result, horizon)
     points = [p for p, _, _ in rows]
