@@ -154,7 +154,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     worse = "–" if m["min"] is None else f"{m['min'] * 100:+.1f}% (min), {m['mean'] * 100:+.1f}% (mean)"
     print(
         f"recommended: theta={best['theta']} tau={best['tau']} alpha={best['alpha']} beta={best['beta']} "
-        f"rule={best['rule']}: TTFT after failure {best['score_ttft_s']:.3f} s, recovery "
+        f"rule={best['rule']}: TTFT after failure {best['score_ttft_s']} s, recovery "
         f"{best['recovery_time_robust_s']} s (5 s windows, 1.25x); neighbours worse by {worse}"
     )
     print(f"wrote {args.out / 'tune.json'}", file=sys.stderr)

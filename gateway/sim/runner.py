@@ -160,7 +160,8 @@ class ScenarioReport:
 def common_window(report: ScenarioReport) -> None:
     """Mean TTFT after the failure over ONE window for every mode: [failure, failure + H].
 
-    H is the median of the modes' robust recovery times (to the run's end if none recovered).
+    H is the median of the modes' robust recovery times, at least one window (to the run's end if
+    none recovered).
     Impact TTFT uses each mode's own recovery time as its window, so a mode with a spuriously
     long recovery is averaged over more calm requests; this compares every mode on the same ones.
     """
@@ -170,7 +171,8 @@ def common_window(report: ScenarioReport) -> None:
     times = sorted(
         m["recovery_time_robust_s"] for m in report.modes.values() if m["recovery_time_robust_s"] is not None
     )
-    horizon = times[len(times) // 2] if times else None
+    # at least one window, so modes that recovered at once still have requests to average
+    horizon = max(times[len(times) // 2], ROBUST_WINDOW_S) if times else None
     for mode, run in report.runs.items():
         base = report.baseline_for(mode)
         got = ev.failure_impact(run.records, fail, horizon).mean_ttft

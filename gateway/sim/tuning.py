@@ -127,7 +127,8 @@ def tune(
         if rec_s is not None:
             recoveries.append(rec_s)
     recoveries.sort()
-    horizon = recoveries[len(recoveries) // 2] if recoveries else math.inf
+    # at least one window, so a cell that recovered at once still has requests to average
+    horizon = max(recoveries[len(recoveries) // 2], ROBUST_WINDOW_S) if recoveries else math.inf
     for point, result, _ in rows:
         point["score_ttft_s"] = _score(result, horizon)
     points = [p for p, _, _ in rows]
