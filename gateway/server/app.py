@@ -54,6 +54,7 @@ class Gateway:
             clock=time.monotonic,
             heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
             heartbeat_misses=config.health.heartbeat_misses,
+            correlated_grace_s=config.health.correlated_silence_s,
         )
         self.monitor.on_state_change.append(self._on_state_change)
         self.control = ControlService(

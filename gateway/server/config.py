@@ -94,6 +94,8 @@ class EngineSection:
 class HealthSection:
     heartbeat_interval_ms: int = 20
     heartbeat_misses: int = 3
+    # when most workers go silent at once, the gateway is the likelier culprit: wait this long
+    correlated_silence_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +407,7 @@ def validate(cfg: Config) -> None:
         "must be in 1..10000",
     )
     _check(h.heartbeat_misses >= 1, "health.heartbeat_misses", h.heartbeat_misses, "must be >= 1")
+    _positive("health.correlated_silence_s", h.correlated_silence_s)
 
     _check(cfg.load.alpha >= 0, "load.alpha", cfg.load.alpha, "must be >= 0")
     _check(cfg.load.beta >= 0, "load.beta", cfg.load.beta, "must be >= 0")

@@ -114,7 +114,15 @@ class AttachRefused(Exception):
 
 
 class LoadMonitor:
-    def __init__(self, *, clock: Clock, heartbeat_interval_s: float, heartbeat_misses: int) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        heartbeat_interval_s: float,
+        heartbeat_misses: int,
+        correlated_grace_s: float = 1.0,
+    ) -> None:
+        self.correlated_grace_s = correlated_grace_s
         self.clock = clock
         self.interval_s = heartbeat_interval_s
         self.misses = heartbeat_misses
@@ -219,12 +227,16 @@ class LoadMonitor:
             for rec in self.workers.values():
                 rec.last_heartbeat = max(rec.last_heartbeat, now - self.interval_s)
         self._last_tick = now
+        verdicts = health.silence_verdicts(
+            {w.id: (w.state, now - w.last_heartbeat) for w in self.workers.values()},
+            self.interval_s,
+            self.misses,
+            self.correlated_grace_s,
+        )
         for rec in list(self.workers.values()):
             if rec.state not in health.ALIVE_STATES:
                 continue
-            dst = health.missed_heartbeat_state(
-                rec.state, now - rec.last_heartbeat, self.interval_s, self.misses
-            )
+            dst = verdicts[rec.id]
             if dst is WorkerState.FAILED:
                 self._fail(rec, f"no heartbeat for {1000 * (now - rec.last_heartbeat):.0f} ms")
             elif dst is not rec.state:

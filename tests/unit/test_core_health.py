@@ -1,4 +1,5 @@
 """Worker state machine and failure detection by silence."""
+
 import itertools
 
 import pytest
@@ -88,3 +89,39 @@ def test_restart_phases() -> None:
     assert state_for_phase(S.JOINING, Phase.LOADING_FULL) is S.JOINING
     assert state_for_phase(S.JOINING, Phase.SERVING) is S.HEALTHY
     assert state_for_phase(S.FAILED, Phase.SERVING) is S.FAILED
+
+
+def test_correlated_silence_is_blamed_on_the_gateway_first() -> None:
+    from gateway.core.health import silence_verdicts
+
+    i, m, grace = 0.02, 3, 1.0
+    # one worker silent: failed as usual
+    v = silence_verdicts({"a": (S.HEALTHY, 0.2), "b": (S.HEALTHY, 0.01), "c": (S.HEALTHY, 0.01)}, i, m, grace)
+    assert v == {"a": S.FAILED, "b": S.HEALTHY, "c": S.HEALTHY}
+    # all silent for 200 ms at once: suspect, not failed
+    v = silence_verdicts({w: (S.HEALTHY, 0.2) for w in "abc"}, i, m, grace)
+    assert set(v.values()) == {S.SUSPECT}
+    # still silent after the grace: failed
+    v = silence_verdicts({w: (S.SUSPECT, 1.5) for w in "abc"}, i, m, grace)
+    assert set(v.values()) == {S.FAILED}
+    # two of four is not a majority: both fail at once
+    v = silence_verdicts(
+        {"a": (S.HEALTHY, 0.2), "b": (S.HEALTHY, 0.2), "c": (S.HEALTHY, 0), "d": (S.HEALTHY, 0)}, i, m, grace
+    )
+    assert v["a"] is S.FAILED and v["b"] is S.FAILED
+
+
+@given(
+    st.dictionaries(
+        st.text("abcd", min_size=1, max_size=2), st.tuples(st.sampled_from(list(S)), st.floats(0, 5))
+    ),
+    st.floats(0.001, 0.5),
+    st.integers(1, 5),
+    st.floats(0.01, 3),
+)
+def test_silence_verdicts_are_legal_transitions(silences, interval, misses, grace) -> None:
+    from gateway.core.health import silence_verdicts
+
+    for wid, dst in silence_verdicts(silences, interval, misses, grace).items():
+        src = silences[wid][0]
+        assert dst is src or dst in TRANSITIONS[src]
