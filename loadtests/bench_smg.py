@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -108,14 +109,16 @@ def cpu_seconds(pid: int) -> float:
 async def _generate(http: aiohttp.ClientSession, url: str, body: dict[str, Any], s: Sample) -> None:
     s.sent = time.monotonic()
     first = last = 0.0
-    finished = False
+    finish: Any = None
+    done_marker = False
     try:
         async with http.post(url + "/generate", json=body) as resp:
             if resp.status != 200:
                 s.error = f"{resp.status}: {(await resp.text())[:200]}"
                 return
             async for raw in resp.content:
-                if not raw.startswith(b"data:") or raw.startswith(b"data: [DONE]"):
+                done_marker = done_marker or raw.startswith(b"data: [DONE]")
+                if not raw.startswith(b"data:") or done_marker:
                     continue
                 obj = json.loads(raw[5:])
                 if "error" in obj:
@@ -129,12 +132,19 @@ async def _generate(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
                     last = time.monotonic()
                     first = first or last
                     s.tokens = n
-                finished = finished or bool(meta.get("finish_reason"))
+                finish = finish or meta.get("finish_reason")
     except (aiohttp.ClientError, TimeoutError) as exc:
         s.error = f"{type(exc).__name__}: {exc}"
         return
-    if not finished or s.tokens == 0:
-        s.error = "stream truncated"
+    want = body["sampling_params"]["max_new_tokens"]
+    if not finish:
+        s.error = f"stream truncated after {s.tokens} of {want} tokens ([DONE] {'seen' if done_marker else 'missing'})"
+        return
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        s.error = f"aborted after {s.tokens} of {want} tokens: {finish.get('message')}"
+        return
+    if s.tokens != want:  # ignore_eos: every request must produce exactly max_new_tokens
+        s.error = f"short: {s.tokens} of {want} tokens, finish {finish}"
         return
     s.ttft = first - s.sent
     s.tpot = (last - first) / (s.tokens - 1) if s.tokens > 1 else None
@@ -164,6 +174,8 @@ async def _one(http: aiohttp.ClientSession, t: Target, i: int, shape: Shape, s: 
     s.tokens = r.completion_tokens
     if not r.ok:
         s.error = r.error or f"status {r.status}"
+    elif r.completion_tokens != shape.output_tokens:
+        s.error = f"short: {r.completion_tokens} of {shape.output_tokens} tokens, finish {r.finish_reason}"
     else:
         s.ttft, s.tpot = r.ttft, r.tpot
 
@@ -387,7 +399,10 @@ def _fmt(x: float | None, nd: int = 2, sign: bool = False) -> str:
 # -- main -----------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     rates = [float(x) for x in args.rates.split(",")]
-    overrides = {"engine.time_scale": args.time_scale, "gateway.log_level": "warning"}
+    overrides: dict[str, Any] = {"engine.time_scale": args.time_scale, "gateway.log_level": "warning"}
+    for kv in args.set:
+        key, _, value = kv.partition("=")
+        overrides[key] = tomllib.loads(f"v = {value}")["v"]
     log_dir = Path(args.out).with_suffix("")
     log_dir.mkdir(parents=True, exist_ok=True)
     exe, smg_info = smg_binary(not args.no_install) if args.smg else (None, "skipped (--no-smg)")
@@ -610,6 +625,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-smg", dest="smg", action="store_false")
     ap.add_argument("--no-install", action="store_true", help="do not pip install smg when missing")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Lumen config override (TOML value)",
+    )
     ap.add_argument("--out", default="out/bench_smg.json")
     ap.add_argument("--serve-shim", metavar="PORT=URL,...", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
