@@ -13,7 +13,10 @@ import msgspec
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
 
 
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """SGLang's sampling parameters; fields Lumen's engine does not implement are ignored (SGLang
+    clients and gateways such as SMG send many)."""
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,9 +43,11 @@ class LumenExt(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     attempt: int = 0
 
 
-class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    rid: str
+class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Unknown top-level fields are ignored, as SGLang does; a missing rid gets one from the worker."""
+
     input_ids: list[int]
+    rid: str = ""
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = True
     lumen: LumenExt | None = None

@@ -195,15 +195,28 @@ async def test_heartbeats_stay_on_time_while_the_engine_is_busy(attached: tuple[
 async def test_stream_end_resets_the_incarnation_and_reattaches(attached: tuple[FakeGateway, Worker]) -> None:
     gw, w = attached
     old = w.incarnation
+    # a request the gateway sent under our epoch, and one a client sent us directly
     slow = w.engine.submit(
-        GenerateRequest(rid="inflight", input_ids=[1] * 8, sampling_params=SamplingParams(10**5))
+        GenerateRequest(
+            rid="inflight",
+            input_ids=[1] * 8,
+            sampling_params=SamplingParams(10**5),
+            lumen=LumenExt(epoch=old),
+        )
+    )
+    direct = w.engine.submit(
+        GenerateRequest(rid="direct", input_ids=[1] * 8, sampling_params=SamplingParams(20))
     )
     gw.sessions[0].outbox.put_nowait(None)  # the gateway ends the stream (e.g. declared us failed)
     second = await gw.wait_sessions(2)
     assert second.hello.incarnation == w.incarnation > old
     while (e := await slow.next()).finish is None:
         pass
-    assert e.finish.type == "abort" and w.engine.pool.used_pages == 0
+    assert e.finish.type == "abort"
+    # fencing is the gateway's business: the direct client's stream is not aborted
+    while (d := await direct.next()).finish is None:
+        pass
+    assert d.finish.type == "length" and w.engine.pool.used_pages == 0
     await wait_until(lambda: len(second.heartbeats) >= 2)
 
 

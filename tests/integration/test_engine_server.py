@@ -142,7 +142,6 @@ async def post_error(
     ("data", "fragment"),
     [
         (b"{not json", "invalid /generate body"),
-        ({"rid": "x", "input_ids": [1], "bogus": 1}, "bogus"),
         ({"rid": "x", "input_ids": "abc"}, "input_ids"),
         ({"rid": "x", "input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"rid": "x", "input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
@@ -150,7 +149,6 @@ async def post_error(
         ({"rid": "x", "input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"rid": "x", "input_ids": []}, "input_ids"),
         ({"rid": "x", "input_ids": [1, 100000]}, "vocabulary"),
-        ({"rid": "", "input_ids": [1]}, "rid"),
         ({"rid": "x", "input_ids": [1], "lumen": {"v": 99}}, "lumen.v"),
     ],
 )
@@ -384,3 +382,21 @@ async def test_a_crashed_engine_loop_ends_streams_and_refuses_work(client: aioht
             status, _ = await post_error(client, w.url, body("y", [1]))
             assert status == 503
     # the crash surfaces when the worker is stopped, after everything was cleaned up
+
+
+async def test_sglang_style_body_with_extra_fields_and_no_rid_is_served(
+    worker: Worker, client: aiohttp.ClientSession
+) -> None:
+    """What SMG sends: SGLang's extra fields, no rid. Unknown fields are ignored; a rid is made up."""
+    body = {
+        "model": "unknown",
+        "input_ids": [72, 105],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "repetition_penalty": 1.0},
+        "return_text_in_logprobs": False,
+        "stream": False,
+        "log_metrics": True,
+    }
+    async with client.post(worker.url + "/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    assert len(out["output_ids"]) == 4 and out["meta_info"]["id"].startswith("w-")

@@ -170,7 +170,8 @@ class Engine:
     def reset_incarnation(self) -> int:
         """Become a new incarnation: nobody trusts our in-flight requests any more (DESIGN 4.3)."""
         old = self.incarnation
-        n = len(self.abort_all("worker incarnation reset"))
+        fenced = [rid for rid, h in list(self._handles.items()) if h.fenced_by_reset]
+        n = sum(1 for rid in fenced if self.abort(rid, "worker incarnation reset"))
         self.incarnation = max(now_us(), old + 1)
         self.ckpt.reset(self.incarnation)
         self.assist.reset()  # the gateway drops every pair of the old incarnation without telling us
@@ -206,6 +207,9 @@ class Engine:
             raise errors.DuplicateRequest(f"request id {req.rid!r} is already in flight")
         self.scheduler.add(seq)
         handle = RequestHandle(req.rid, len(req.input_ids), self.incarnation, restored)
+        # only requests a Lumen gateway sent under an epoch are fenced by an incarnation reset;
+        # clients talking to the worker directly (or through another gateway) keep their streams
+        handle.fenced_by_reset = ext is not None and ext.epoch != 0
         self._handles[req.rid] = handle
         self.requests_total += 1
         self.prompt_tokens_total += len(req.input_ids)

@@ -10,7 +10,15 @@ from worker_hooks.engine.scheduler import Emission
 class RequestHandle:
     """Emissions in order, the last one with a finish reason."""
 
-    __slots__ = ("_queue", "finished", "incarnation", "prompt_tokens", "restored_tokens", "rid")
+    __slots__ = (
+        "_queue",
+        "fenced_by_reset",
+        "finished",
+        "incarnation",
+        "prompt_tokens",
+        "restored_tokens",
+        "rid",
+    )
 
     def __init__(self, rid: str, prompt_tokens: int, incarnation: int, restored_tokens: int = 0) -> None:
         self.rid = rid
@@ -19,6 +27,7 @@ class RequestHandle:
         # prompt tokens restored from the local checkpoint store instead of prefilled
         self.restored_tokens = restored_tokens
         self.finished = False
+        self.fenced_by_reset = True
         self._queue: asyncio.Queue[Emission] = asyncio.Queue()
 
     def _push(self, emission: Emission) -> None:

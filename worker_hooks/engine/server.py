@@ -10,6 +10,7 @@ Discovery, load and metrics endpoints live in info.py.
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -70,6 +71,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     try:
         req = request_decoder.decode(body)
+        if not req.rid:
+            req = msgspec.structs.replace(req, rid=f"w-{uuid.uuid4().hex}")
         handle = engine.submit(req)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return error_response(InvalidRequest(f"invalid /generate body: {exc}"))
