@@ -13,6 +13,7 @@ tentative assignment into its view with `with_assignment` before choosing the ne
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,7 @@ class HolderParams:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
 
+@functools.lru_cache(maxsize=4096)
 def ring_key(worker: WorkerId) -> tuple[tuple[int, int, str], ...]:
     """Natural id order for the ring ("w2" before "w10"); the raw id, last, breaks ties like "w01"/"w1".
 
