@@ -148,6 +148,10 @@ def run_mode(
     info["restores"] = sum(1 for i in info["sessions"]["interrupted"] if i.get("restored_tokens"))
     info["replays"] = len(info["sessions"]["interrupted"]) - info["restores"]
     info["restored_tokens"] = sum(i.get("restored_tokens", 0) for i in info["sessions"]["interrupted"])
+    drafted = sum(w.get("drafted_tokens", 0) for w in info["workers"])
+    accepted = sum(w.get("accepted_tokens", 0) for w in info["workers"])
+    info["draft_tokens_verified"] = drafted
+    info["draft_accepted_fraction"] = accepted / drafted if drafted else None
     return records, info
 
 
@@ -301,7 +305,18 @@ def main(argv: list[str] | None = None) -> int:
         series[mode] = failed
         failure_at = float(info.get("kill_wall", args.kill_at))
         row = summarize(failed, shared_base, failure_at)
-        row.update({k: info[k] for k in ("restores", "replays", "restored_tokens")})
+        row.update(
+            {
+                k: info[k]
+                for k in (
+                    "restores",
+                    "replays",
+                    "restored_tokens",
+                    "draft_tokens_verified",
+                    "draft_accepted_fraction",
+                )
+            }
+        )
         summary["modes"][mode] = row
         print(
             f"{mode}: " + ", ".join(f"{k}={_fmt(row[k])}" for k in (*SUMMARY_KEYS, "client_errors")),
