@@ -125,10 +125,13 @@ def plot_heatmaps(result: dict[str, Any], out: Path) -> Path:
         ax.set_xticks(range(len(taus)), [str(u) for u in taus])
         ax.set_yticks(range(len(thetas)), [f"{t:g}" for t in thetas])
         ax.set(xlabel="τ (tokens)", ylabel="θ", title=label)
+        mid = np.nanmean(grid) if np.isfinite(grid).any() else 0.0
         for i in range(len(thetas)):
             for j in range(len(taus)):
                 if np.isfinite(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color="white")
+                    # viridis_r: low values are light, so they get dark text
+                    color = "white" if grid[i, j] > mid else "black"
+                    ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color=color)
         ax.scatter(
             [taus.index(best["tau"])],
             [thetas.index(best["theta"])],
