@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from gateway.core import evaluation as ev
+from gateway.sim.workload import synthetic
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 
@@ -39,17 +41,13 @@ class Shape:
 
 
 def conv_like(duration_s: float, rate: float, seed: int, scale: float) -> list[Shape]:
-    """Poisson arrivals; lengths from lognormals fitted to the Azure conv trace's percentiles
-    (input p50/p90 ≈ 1020/2734, output ≈ 129/424), multiplied by `scale` to fit a CPU box."""
-    rnd = random.Random(seed)
-    out: list[Shape] = []
-    t = rnd.expovariate(rate)
-    while t < duration_s:
-        p = min(4142, max(16, rnd.lognormvariate(6.93, 0.77)))
-        o = min(601, max(8, rnd.lognormvariate(4.86, 0.93)))
-        out.append(Shape(t, max(8, int(p * scale)), max(4, int(o * scale))))
-        t += rnd.expovariate(rate)
-    return out
+    """Poisson arrivals with the Azure-conv length fit the simulator uses (`gateway.sim.workload`),
+    lengths multiplied by `scale` to fit a CPU box."""
+    wl = synthetic(np.random.default_rng(seed), rate, duration_s)
+    return [
+        Shape(float(t), max(8, int(p * scale)), max(4, int(o * scale)))
+        for t, p, o in zip(wl.arrivals, wl.prompts, wl.outputs, strict=True)
+    ]
 
 
 def _results(shapes: list[Shape], seed: int) -> list[RequestResult]:
