@@ -88,7 +88,11 @@ def test_every_ready_drafter_is_used_while_targets_have_room(
     pairs = pair_drafters(view, drafters, current, p)
     ready = [d for d in drafters if view.workers[d].state is S.DRAFT_READY]
     room = len(draft_targets(view, p, exclude=ready)) * p.max_drafters_per_target
-    assert len(pairs) == min(len(ready), room)
+    # kept pairs may also sit on targets that sagged within the hysteresis margin below the mean,
+    # which adds room; with no current pairs the count is exact
+    assert min(len(ready), room) <= len(pairs) <= len(ready)
+    if not current:
+        assert len(pairs) == min(len(ready), room)
 
 
 def test_most_loaded_survivor_gets_the_first_drafter() -> None:
