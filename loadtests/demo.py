@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from gateway.protocol.generate import SamplingParams
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 from worker_hooks.engine.synthetic import expected_output
@@ -62,23 +63,12 @@ def make_workload(n: int, rate: float, seed: int) -> Workload:
 
 
 def expected_text(r: RequestResult) -> str:
-    ids, _ = expected_output(
-        r.prompt_ids,
-        _sampling(r),
-        r.seed or 0,
-        model_seed=0,
-        token_lo=32,
-        token_hi=127,
-    )
-    return bytes(ids).decode()
-
-
-def _sampling(r: RequestResult):  # type: ignore[no-untyped-def]
-    from gateway.protocol.generate import SamplingParams
-
-    return SamplingParams(
+    """The synthetic model's output for `r` with no failure: what the client must have received."""
+    sp = SamplingParams(
         max_new_tokens=r.max_tokens, temperature=r.temperature, stop_token_ids=[257], ignore_eos=True
     )
+    ids, _ = expected_output(r.prompt_ids, sp, r.seed or 0, model_seed=0, token_lo=32, token_hi=127)
+    return bytes(ids).decode()
 
 
 async def _drive(url: str, wl: Workload, kill_at: float, kill_mode: str, out: dict[str, Any]) -> None:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tests.e2e.conftest import admin, expected_text, kill_busiest, make_requests, run_requests, wait_for
+from tests.e2e.conftest import (
+    admin,
+    assert_exact,
+    kill_busiest,
+    make_requests,
+    run_requests,
+    wait_for,
+)
 
 # long prompts so that restoring beats replaying, and small pages so checkpoints build up quickly
 LUMEN = {"engine.page_size": 16, "checkpoint.payload_scale": 0.001}
-
-
-def assert_exact(results) -> None:
-    bad = [(r.idx, r.status, r.error) for r in results if not r.ok]
-    assert bad == [], f"client-visible errors: {bad[:5]}"
-    wrong = [r.idx for r in results if r.text != expected_text(r)]
-    assert wrong == [], f"outputs differ from the no-failure run: {wrong[:10]}"
 
 
 async def settle_to_zero(url: str) -> list[dict[str, Any]]:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tests.e2e.conftest import admin, expected_text, kill_busiest, make_requests, run_requests, wait_for
+from tests.e2e.conftest import (
+    admin,
+    assert_exact,
+    kill_busiest,
+    make_requests,
+    run_requests,
+    wait_for,
+)
 
 # the restart: the draft model is in after 0.3 s, the full one 4 s after the process starts
 PROGRESSIVE = {
@@ -15,13 +22,6 @@ PROGRESSIVE = {
     "engine.model_load_s": 4.0,
     "draft.agreement": 0.7,
 }
-
-
-def assert_exact(results: list[Any]) -> None:
-    bad = [(r.idx, r.status, r.error) for r in results if not r.ok]
-    assert bad == [], f"client-visible errors: {bad[:5]}"
-    wrong = [r.idx for r in results if r.text != expected_text(r)]
-    assert wrong == [], f"outputs differ from the no-failure run: {wrong[:10]}"
 
 
 def by_id(ws: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

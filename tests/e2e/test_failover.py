@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.e2e.conftest import admin, expected_text, kill_busiest, make_requests, run_requests, wait_for
-
-
-def assert_exact(results) -> None:
-    bad = [(r.idx, r.status, r.error) for r in results if not r.ok]
-    assert bad == [], f"client-visible errors: {bad[:5]}"
-    wrong = [r.idx for r in results if r.text != expected_text(r)]
-    assert wrong == [], f"outputs differ from the no-failure run: {wrong[:10]}"
+from tests.e2e.conftest import (
+    admin,
+    assert_exact,
+    expected_text,
+    kill_busiest,
+    make_requests,
+    run_requests,
+    wait_for,
+)
 
 
 async def test_kill_busiest_worker_mid_generation(cluster_factory) -> None:
