@@ -15,8 +15,10 @@ Rules:
 - `replay` (stop-and-restart): always replay on the least-loaded survivor.
 - `cost` (Lumen's own): the smaller estimated completion delay, restoring on the best holder or
   replaying on the least-loaded survivor (see `completion_delay`); a tie restores.
-Every rule replays when |C_r| = 0 or no holder is live, and decides nothing (worker None) when no
-survivor is left. Ties between equal loads or delays go to the smaller id, so decisions do not depend
+Every rule replays when no holder is live, and decides nothing (worker None) when no survivor is
+left. A live holder with |C_r| = 0 is still a holder: the gateway learns durable prefixes from
+heartbeats, so |C_r| is a lower bound that lags the holder's store by up to one interval, and a
+holder the rule accepts restores whatever it has by then (a short prefix when the rule says so). Ties between equal loads or delays go to the smaller id, so decisions do not depend
 on the order of the view or of the holders.
 """
 
@@ -112,8 +114,6 @@ def dispatch(
     )
     if not holders:
         return Decision("replay", least, "no live holder")
-    if request.durable_tokens == 0:
-        return Decision("replay", least, "no durable checkpoint")
     best = holders[0]
     if params.rule == "always_holder":
         return Decision("restore", best.id, "always_holder rule")

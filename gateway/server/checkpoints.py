@@ -98,9 +98,13 @@ class CheckpointManager:
         return [self._ref(h) for h in chosen]
 
     def interrupted(self, session_rid: str, failed: str, context: int, remaining: int) -> InterruptedRequest:
-        """What dispatch needs: live holders of the session's checkpoints and the prefix they all have."""
-        best: tuple[int, tuple[str, ...]] = (0, ())
-        for wrid in self.by_session.get(session_rid, ()):
+        """What dispatch needs: live holders of the session's checkpoints and the prefix they all have.
+
+        The durable counts come from heartbeats, so they lag the holders' stores: a live holder that
+        has reported nothing yet is still offered (with |C_r| = 0), the latest attempt's first.
+        """
+        best: tuple[int, tuple[str, ...]] = (-1, ())
+        for wrid in reversed(self.by_session.get(session_rid, ())):
             ck = self.by_wrid.get(wrid)
             if ck is None or ck.abandoned:
                 continue
@@ -115,7 +119,7 @@ class CheckpointManager:
             rid=session_rid,
             failed_worker=failed,
             holders=best[1],
-            durable_tokens=best[0],
+            durable_tokens=max(0, best[0]),
             context_tokens=context,
             remaining_tokens=remaining,
         )

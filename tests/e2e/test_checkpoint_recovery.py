@@ -42,7 +42,8 @@ async def test_kill_in_lumen_mode_restores_on_holders(cluster_factory) -> None:
         if i["worker"] == killed["worker"]
     ]
     restored = [i for i in inter if i["action"] == "restore" and i["restored_tokens"] > 0]
-    assert len(restored) >= len(inter) // 2, inter
+    brief = [(i["action"], i["dispatch_reason"], i["restored_tokens"], i["resumed_on"]) for i in inter]
+    assert len(restored) >= len(inter) // 2, brief
     assert all(i["resumed_on"] != killed["worker"] for i in inter)
     ws = await settle_to_zero(c.url)
     assert sum(w["restores_total"] for w in ws) >= len(restored)

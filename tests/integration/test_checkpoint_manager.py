@@ -99,7 +99,9 @@ async def test_holder_failure_reassigns_and_tells_the_serving_worker() -> None:
     new = [h.worker_id for h in msg.assign_holder.holders]
     assert msg.assign_holder.rid == "s1-1"
     assert len(new) == 1 and new[0] not in ("w0", ref.worker_id)
-    assert mgr.interrupted("s1", failed="w0", context=300, remaining=100).holders == ()  # nothing durable yet
+    # nothing reported durable yet: the new holder is still offered, with |C_r| = 0
+    ir = mgr.interrupted("s1", failed="w0", context=300, remaining=100)
+    assert (ir.holders, ir.durable_tokens) == ((new[0],), 0)
 
 
 async def test_abandoned_checkpoint_is_not_offered_for_restore() -> None:

@@ -76,7 +76,7 @@ def test_threshold_rule_is_the_papers(
         return
     least = min((load[w.id], w.id) for w in survivors)[1]
     live = sorted((load[h], h) for h in req.holders if h in load)
-    if not live or req.durable_tokens == 0:
+    if not live:
         assert (d.action, d.worker) == ("replay", least)
         return
     mean = math.fsum(load.values()) / len(load)
@@ -108,7 +108,7 @@ def test_decisions_ignore_view_and_holder_order(
         w = ClusterView.of(ws).workers[expected.worker]
         assert w.state is S.HEALTHY and w.id != "w0"
         if expected.action == "restore":
-            assert w.id in req.holders and req.durable_tokens > 0
+            assert w.id in req.holders
 
 
 def cluster(holder_running: int, other_running: int = 0) -> ClusterView:
@@ -154,8 +154,11 @@ def test_two_holders_prefer_the_lighter_and_skip_unhealthy() -> None:
     assert dispatch(view, req, DispatchParams()) == Decision("restore", "w2", "L(h)=0.25 <= theta_eff=1")
     suspect_only = InterruptedRequest("r", "w0", ("w3",), durable_tokens=5000, context_tokens=5000)
     assert dispatch(view, suspect_only, DispatchParams()) == Decision("replay", "w4", "no live holder")
-    empty = InterruptedRequest("r", "w0", ("w2",), durable_tokens=0, context_tokens=100)
-    assert dispatch(view, empty, DispatchParams()).action == "replay"
+    # nothing reported durable yet (heartbeats lag the store): a short prefix on an idle holder
+    lagging = InterruptedRequest("r", "w0", ("w2",), durable_tokens=0, context_tokens=100)
+    assert dispatch(view, lagging, DispatchParams()) == Decision("restore", "w2", "L(h)=0.25 <= theta_eff=1")
+    busy = InterruptedRequest("r", "w0", ("w1",), durable_tokens=0, context_tokens=100)
+    assert dispatch(view, busy, DispatchParams()).worker == "w4"
 
 
 def test_always_holder_and_replay_rules() -> None:
