@@ -9,6 +9,7 @@ and what the gateway has assigned to it, so a burst of assignments between heart
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,12 +35,16 @@ class Checkpoint:
 
     wrid: str
     session_rid: str
+    seq: int  # the session's order of first assignment: holder failures re-home oldest first
     serving: str
     serving_incarnation: int
     expected_tokens: int  # context + remaining: what a holder may end up holding
     # holder id -> durable tokens it reported for this rid
     holders: dict[str, int] = field(default_factory=dict)
     abandoned: bool = False
+    # a later attempt of the same request has started: no longer charged or offered for restore;
+    # its pages are dropped once that attempt streams (a restore on a holder reads them first)
+    retired: bool = False
 
 
 class CheckpointManager:
@@ -61,6 +66,10 @@ class CheckpointManager:
         self.by_session: dict[str, list[str]] = defaultdict(list)
         # tokens the gateway has assigned to each holder and not yet released
         self.assigned_tokens: dict[str, int] = defaultdict(int)
+        self._session_seq: dict[str, int] = {}
+        self._next_seq = 0
+        # workers found FAILED and not yet handled: failures detected together are handled together
+        self._dead: list[str] = []
         monitor.on_state_change.append(self._on_state_change)
 
     # -- the view the policies see --------------------------------------------------------------
@@ -82,6 +91,7 @@ class CheckpointManager:
     def assign(
         self, session_rid: str, wrid: str, serving: WorkerRecord, context: int, remaining: int
     ) -> list[HolderRef]:
+        self._retire(session_rid)
         expected = context + remaining
         chosen = holder_policy.choose_holders(
             self.view(), serving.id, expected * self.kv_bytes_per_token, self.params
@@ -89,7 +99,13 @@ class CheckpointManager:
         if not chosen:
             self.metrics.ckpt_assignments.labels(outcome="no_holder").inc()
             return []
-        ck = Checkpoint(wrid, session_rid, serving.id, serving.incarnation, expected, {h: 0 for h in chosen})
+        if session_rid not in self._session_seq:
+            self._session_seq[session_rid] = self._next_seq
+            self._next_seq += 1
+        seq = self._session_seq[session_rid]
+        ck = Checkpoint(
+            wrid, session_rid, seq, serving.id, serving.incarnation, expected, {h: 0 for h in chosen}
+        )
         self.by_wrid[wrid] = ck
         self.by_session[session_rid].append(wrid)
         for h in chosen:
@@ -106,7 +122,7 @@ class CheckpointManager:
         best: tuple[int, tuple[str, ...]] = (-1, ())
         for wrid in reversed(self.by_session.get(session_rid, ())):
             ck = self.by_wrid.get(wrid)
-            if ck is None or ck.abandoned:
+            if ck is None or ck.abandoned or ck.retired:
                 continue
             live = {h: t for h, t in ck.holders.items() if self._alive(h) and h != failed}
             if not live:
@@ -126,15 +142,39 @@ class CheckpointManager:
 
     def release_session(self, session_rid: str) -> None:
         """The request ended (finished or failed for good): every holder drops its pages."""
-        drops: dict[str, list[str]] = defaultdict(list)
-        for wrid in self.by_session.pop(session_rid, ()):
-            ck = self.by_wrid.pop(wrid, None)
-            if ck is None:
+        self._retire(session_rid)
+        self._session_seq.pop(session_rid, None)
+        self._drop(self.by_session.pop(session_rid, []))
+
+    def drop_retired(self, session_rid: str) -> None:
+        """The request's new attempt is streaming: the holders of its earlier attempts drop them."""
+        wrids = self.by_session.get(session_rid)
+        if not wrids:
+            return
+        old = [w for w in wrids if (ck := self.by_wrid.get(w)) is not None and ck.retired]
+        if old:
+            wrids[:] = [w for w in wrids if w not in old]
+            self._drop(old)
+
+    def _retire(self, session_rid: str) -> None:
+        """Stop charging and offering the session's current checkpoints (the sim does the same)."""
+        for wrid in self.by_session.get(session_rid, ()):
+            ck = self.by_wrid.get(wrid)
+            if ck is None or ck.retired:
                 continue
+            ck.retired = True
             for h in ck.holders:
                 self.assigned_tokens[h] -= ck.expected_tokens
                 if self.assigned_tokens[h] <= 0:
                     del self.assigned_tokens[h]
+
+    def _drop(self, wrids: list[str]) -> None:
+        drops: dict[str, list[str]] = defaultdict(list)
+        for wrid in wrids:
+            ck = self.by_wrid.pop(wrid, None)
+            if ck is None:
+                continue
+            for h in ck.holders:
                 drops[h].append(wrid)
         for h, rids in drops.items():
             if self._alive(h):
@@ -154,16 +194,34 @@ class CheckpointManager:
                 log.warning("checkpoint_abandoned", rid=wrid, serving=rec.id, holders=list(ck.holders))
 
     def _on_state_change(self, ev: StateEvent) -> None:
-        if ev.dst is WorkerState.FAILED:
-            self._holder_failed(ev.worker_id)
+        if ev.dst is not WorkerState.FAILED:
+            return
+        self._dead.append(ev.worker_id)
+        if len(self._dead) > 1:
+            return  # already scheduled
+        try:
+            # after the detector's pass: workers it finds dead in the same pass are all FAILED
+            # before any checkpoint is re-homed, so none is re-homed onto another dying worker
+            asyncio.get_running_loop().call_soon(self._handle_failed)
+        except RuntimeError:  # no event loop (synchronous use): at once
+            self._handle_failed()
+
+    def _handle_failed(self) -> None:
+        dead, self._dead = self._dead, []
+        for wid in dead:
+            self._holder_failed(wid)
 
     def _holder_failed(self, dead: str) -> None:
-        """Requests whose holder died get a new one; their serving worker re-sends the pages."""
-        for ck in list(self.by_wrid.values()):
-            if dead not in ck.holders or ck.abandoned:
-                continue
+        """Requests whose holder died get a new one, oldest request first; their serving worker
+        re-sends the pages."""
+        affected = sorted((ck for ck in self.by_wrid.values() if dead in ck.holders), key=lambda c: c.seq)
+        for ck in affected:
             del ck.holders[dead]
+            if ck.retired:
+                continue  # not charged any more, and nobody will restore from it
             self.assigned_tokens[dead] = max(0, self.assigned_tokens.get(dead, 0) - ck.expected_tokens)
+            if ck.abandoned:
+                continue
             serving = self.monitor.workers.get(ck.serving)
             if (
                 serving is None

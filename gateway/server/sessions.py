@@ -284,6 +284,8 @@ class SessionManager:
             it.resumed_at = now
             it.resumed_on = worker.id
             it.restored_tokens = restored
+            if self.checkpoints is not None:
+                self.checkpoints.drop_retired(s.job.rid)  # the restore, if any, has read them
             if restored:
                 self.metrics.restored_tokens.inc(restored)
             self.metrics.resume_delay.observe(it.resume_delay or 0.0)

@@ -95,6 +95,7 @@ async def test_holder_failure_reassigns_and_tells_the_serving_worker() -> None:
     mon, ctl, mgr, recs = make(4)
     [ref] = mgr.assign("s1", "s1-1", recs["w0"], context=300, remaining=100)
     mon.detach(recs[ref.worker_id], "killed")
+    await asyncio.sleep(0)  # failures found in one detector pass are handled together, just after
     [msg] = drain(ctl, "w0")
     new = [h.worker_id for h in msg.assign_holder.holders]
     assert msg.assign_holder.rid == "s1-1"
@@ -128,3 +129,32 @@ async def test_no_budget_means_no_holder() -> None:
     _mon, _ctl, mgr, recs = make(3, budget=0)
     assert mgr.assign("s1", "s1-1", recs["w0"], context=300, remaining=100) == []
     assert mgr.coverage(["s1-1"]) == 0.0
+
+
+async def test_failures_detected_together_never_rehome_onto_each_other() -> None:
+    mon, ctl, mgr, recs = make(4)
+    # w0 serves; its holder is w1. w1 and w2 die in one detector pass: the new holder must be w3
+    # although w2 was still HEALTHY when w1's failure was recorded
+    [ref] = mgr.assign("s1", "s1-1", recs["w0"], context=300, remaining=100)
+    assert ref.worker_id == "w1"
+    mon.detach(recs["w1"], "killed")
+    mon.detach(recs["w2"], "killed")
+    await asyncio.sleep(0)
+    [msg] = drain(ctl, "w0")
+    assert [h.worker_id for h in msg.assign_holder.holders] == ["w3"]
+
+
+async def test_a_new_attempt_retires_the_old_checkpoint_and_drops_it_once_streaming() -> None:
+    _mon, ctl, mgr, recs = make(4)
+    [old] = mgr.assign("s1", "s1-1", recs["w0"], context=300, remaining=100)
+    mgr.on_heartbeat(recs[old.worker_id], pb.Heartbeat(durable=[pb.DurableTokens(rid="s1-1", tokens=256)]))
+    # w0 died; the request restores on its holder, which gets a holder of its own
+    [new] = mgr.assign("s1", "s1-2", recs[old.worker_id], context=350, remaining=50)
+    assert mgr.assigned_tokens == {new.worker_id: 400}  # the old checkpoint is no longer charged
+    assert mgr.interrupted("s1", failed=old.worker_id, context=350, remaining=50).holders == (new.worker_id,)
+    assert drain(ctl, old.worker_id) == []  # not dropped yet: the restore reads those pages
+    mgr.drop_retired("s1")
+    [msg] = drain(ctl, old.worker_id)
+    assert list(msg.drop_checkpoint.rids) == ["s1-1"]
+    mgr.release_session("s1")
+    assert mgr.assigned_tokens == {} and mgr.by_wrid == {}
