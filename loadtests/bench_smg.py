@@ -1,25 +1,29 @@
 """Gateway overhead side by side: the same synthetic workers reached directly, through Lumen, and through SMG.
 
-    python -m loadtests.bench_smg --rates 5,10,20,40,80 --seconds 8 --repeats 2
+    python -m loadtests.bench_smg --rates 5,20,40,80,160 --seconds 6 --repeats 2
 
 One local Lumen cluster (`--workers` synthetic workers, `engine.time_scale` small so gateway costs
 show). SMG (`pip install smg`, the SGLang model gateway) is started on a free loopback port pointing at
-the same worker URLs (from GET /admin/workers). Each path gets the same open-loop request mix (Poisson
-arrivals at each rate, seeded prompt/output lengths, greedy, `ignore_eos`):
+the same worker URLs (from GET /admin/workers), with no shim between them. Each path gets the same
+open-loop request mix (Poisson arrivals at each rate, seeded prompt/output lengths, greedy,
+`ignore_eos`), and each gateway path is compared with the worker endpoint it ends up calling:
 
-- `direct`: the worker's own `/generate`, alternating between workers;
-- `lumen`: Lumen's `/v1/completions` (streamed, token-id prompt);
-- `smg`: SMG's `/v1/completions` if the workers answer what SMG forwards, else SMG's `/generate`.
-  SMG forwards both as they are (`/v1/completions` to the worker's `/v1/completions`; `/generate` with
-  fields the Lumen worker rejects and no `rid`). When neither works the probe's exact replies are
-  recorded and, with `--smg-shim auto|always`, SMG is pointed at a per-worker compatibility shim
-  (a separate process that drops unknown fields and adds a `rid`); `direct_shim` (the shim without
-  SMG) is then SMG's baseline, so the shim's own cost cancels out of SMG's added latency.
+- `direct`: the worker's own `/generate` (token ids), alternating between workers;
+- `direct_oai`: the worker's own OpenAI `/v1/completions` (text prompt), alternating between workers;
+- `lumen`: Lumen's `/v1/completions` (streamed, token-id prompt); Lumen tokenizes and calls the
+  workers' `/generate`, so its baseline is `direct`;
+- `lumen_gen`: Lumen's native `/generate` (token ids), baseline `direct`;
+- `smg`: SMG's `/v1/completions` (text prompt: SMG refuses token-id prompts). SMG forwards the body
+  as it is to the worker's `/v1/completions` (adding `echo: false`), so its baseline is `direct_oai`;
+- `smg_gen`: SMG's `/generate` (token ids). SMG forwards it to the worker's `/generate` with SGLang's
+  extra fields and no `rid`, which the worker accepts since a63793f; baseline `direct`.
 
-Paths alternate (rotating order per rate and repeat) so they share machine state. Reported per path
-and rate: TTFT and TPOT p50/p99, added latency vs the path's baseline, errors, offered and achieved
-rate, and gateway CPU seconds per 1,000 requests (from /proc: the cluster process for Lumen, the SMG
-process, the shim), raw and net of the process's idle CPU rate measured while other paths ran.
+SMG's paths are probed first (one tiny streamed request each); a path that fails is not measured and
+the probe's reply is recorded. Paths alternate (rotating order per rate and repeat) so they share
+machine state. Reported per path and rate: TTFT and TPOT p50/p99, added latency vs the path's
+baseline, errors, offered and achieved rate, and gateway CPU seconds per 1,000 requests (from /proc:
+the cluster process for Lumen, the SMG process), raw and net of the process's idle CPU rate measured
+while other paths ran. The tables go to stdout and to `--out` with the suffix `.md`.
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 import numpy as np
 
 from loadtests.client import RequestResult, stream_completion
@@ -79,7 +82,6 @@ class Target:
     model: str = ""
     string_prompt: bool = False
     pids: dict[str, int] = field(default_factory=dict)  # whose CPU is this path's gateway CPU
-    busy: tuple[str, ...] = ()  # other processes on this path (not idle, not counted)
     baseline: str = "direct"
 
 
@@ -167,7 +169,7 @@ async def _one(http: aiohttp.ClientSession, t: Target, i: int, shape: Shape, s: 
         s.done = time.monotonic()
         return
     r = RequestResult(i, 0.0, shape.prompt_ids, shape.output_tokens, 0.0, None)
-    if t.string_prompt:  # SMG's completions take text; ids 32..126 are printable ASCII
+    if t.string_prompt:  # SMG's completions take text only; ids 32..126 are printable ASCII bytes
         r.prompt_ids = "".join(map(chr, shape.prompt_ids))  # type: ignore[assignment]
     await stream_completion(http, url, t.model, r)
     s.done, s.sent = time.monotonic(), r.arrival
@@ -193,7 +195,7 @@ async def drive(http: aiohttp.ClientSession, t: Target, shapes: list[Shape]) -> 
     return samples, t0
 
 
-# -- SMG and the compatibility shim ---------------------------------------------------------------
+# -- SMG ---------------------------------------------------------------------------------------------
 def smg_binary(install: bool) -> tuple[str | None, str]:
     exe = Path(sys.executable).parent / "smg"
     if importlib.util.find_spec("smg") is None or not exe.exists():
@@ -260,6 +262,13 @@ async def probe(http: aiohttp.ClientSession, base: str, model: str) -> dict[str,
             "stream": True,
             "ignore_eos": True,
         },
+        "/v1/chat/completions": {
+            "model": model,
+            "messages": [{"role": "user", "content": "ABCDEFGH"}],
+            "max_tokens": 4,
+            "stream": True,
+            "ignore_eos": True,
+        },
         "/generate": {
             "input_ids": list(range(65, 73)),
             "sampling_params": {"max_new_tokens": 4},
@@ -276,76 +285,6 @@ async def probe(http: aiohttp.ClientSession, base: str, model: str) -> dict[str,
         except aiohttp.ClientError as exc:
             out[path] = {"ok": False, "status": None, "reply": f"{type(exc).__name__}: {exc}"}
     return out
-
-
-def serve_shim(mapping: list[tuple[int, str]]) -> None:
-    """Per worker, a loopback port that forwards to it, making SMG's `/generate` acceptable to a Lumen
-    worker: fields the worker does not know are dropped, and a missing `rid` is added."""
-    import uvloop
-    from aiohttp import web
-
-    from gateway.protocol.generate import GenerateRequest, SamplingParams
-
-    keep = set(GenerateRequest.__struct_fields__)
-    keep_sp = set(SamplingParams.__struct_fields__)
-    counter = iter(range(10**12))
-
-    async def main() -> None:
-        http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
-        )
-        runners = []
-        for port, upstream in mapping:
-
-            async def forward(request: web.Request, upstream: str = upstream) -> web.StreamResponse:
-                body = await request.read()
-                if request.method == "POST" and request.path == "/generate":
-                    obj = msgspec.json.decode(body)
-                    obj = {k: v for k, v in obj.items() if k in keep}
-                    obj["sampling_params"] = {
-                        k: v for k, v in obj.get("sampling_params", {}).items() if k in keep_sp
-                    }
-                    obj.setdefault("rid", f"shim-{next(counter):012d}")
-                    body = msgspec.json.encode(obj)
-                async with http.request(
-                    request.method, upstream + request.path_qs, data=body or None,
-                    headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
-                ) as up:  # fmt: skip
-                    resp = web.StreamResponse(status=up.status)
-                    resp.content_type = up.content_type
-                    await resp.prepare(request)
-                    async for chunk in up.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                    return resp
-
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", forward)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-        print("shim ready", flush=True)
-        await asyncio.Event().wait()
-
-    uvloop.run(main())
-
-
-class Shim:
-    def __init__(self, worker_urls: list[str]) -> None:
-        self.ports = [free_port() for _ in worker_urls]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        spec = ",".join(f"{p}={u}" for p, u in zip(self.ports, worker_urls, strict=True))
-        cmd = [sys.executable, "-m", "loadtests.bench_smg", "--serve-shim", spec]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        if "shim ready" not in self.proc.stdout.readline():
-            raise RuntimeError(f"shim did not start (exit {self.proc.poll()})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
 
 
 # -- summary --------------------------------------------------------------------------------------
@@ -408,7 +347,6 @@ async def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     exe, smg_info = smg_binary(not args.no_install) if args.smg else (None, "skipped (--no-smg)")
     report["smg"] = {"version_or_reason": smg_info}
     smg: Smg | None = None
-    shim: Shim | None = None
     with ClusterProcess(
         workers=args.workers, mode=args.mode, overrides=overrides, log_dir=log_dir
     ) as cluster:
@@ -422,6 +360,7 @@ async def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 lumen_model = (await r.json())["data"][0]["id"]
             targets = [
                 Target("direct", worker_urls, "generate"),
+                Target("direct_oai", worker_urls, "completions", lumen_model, True),
                 Target(
                     "lumen", [cluster.url], "completions", model=lumen_model, pids={"lumen": cluster.proc.pid}
                 ),
@@ -437,44 +376,23 @@ async def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     async with http.get(smg.url + "/v1/models") as r:
                         smg_model = (await r.json())["data"][0]["id"]
                     found = await probe(http, smg.url, smg_model)
-                    report["smg"]["probe_raw_workers"] = found
-                    print(f"SMG probe against the raw workers: {json.dumps(found)}", file=sys.stderr)
-                    use_shim = args.smg_shim == "always" or (
-                        args.smg_shim == "auto" and not any(p["ok"] for p in found.values())
-                    )
-                    if use_shim:
-                        smg.stop()
-                        shim = Shim(worker_urls)
-                        smg = Smg(exe, shim.urls, args.smg_policy, log_dir / "smg.log")
-                        await smg.ready(http)
-                        found = await probe(http, smg.url, smg_model)
-                        report["smg"]["probe_via_shim"] = found
-                        print(f"SMG probe via the shim: {json.dumps(found)}", file=sys.stderr)
-                        targets.append(
-                            Target("direct_shim", shim.urls, "generate", pids={"shim": shim.proc.pid})
-                        )
+                    report["smg"]["probe"] = found
+                    report["smg"]["cmd"] = " ".join(smg.cmd)
+                    print(f"SMG probe against the workers: {json.dumps(found)}", file=sys.stderr)
                     pids = {"smg": smg.proc.pid}
-                    busy = ("shim",) if shim else ()
-                    base = "direct_shim" if shim else "direct"
                     if found["/v1/completions"]["ok"]:
                         targets.append(
-                            Target("smg", [smg.url], "completions", smg_model, True, pids, busy, base)
+                            Target("smg", [smg.url], "completions", smg_model, True, pids, "direct_oai")
                         )
-                    elif found["/generate"]["ok"]:
-                        targets.append(
-                            Target("smg", [smg.url], "generate", pids=pids, busy=busy, baseline=base)
-                        )
-                    else:
+                    if found["/generate"]["ok"] and args.smg_generate:
+                        targets.append(Target("smg_gen", [smg.url], "generate", pids=pids))
+                    report["smg"]["measured"] = [t.name for t in targets if t.name.startswith("smg")]
+                    if not report["smg"]["measured"]:
                         report["smg"]["not_measured"] = "no SMG endpoint worked against these workers"
-                    report["smg"]["endpoint"] = next((t.kind for t in targets if t.name == "smg"), None)
-                    report["smg"]["via_shim"] = shim is not None
-                    report["smg"]["cmd"] = " ".join(smg.cmd)
                 await _measure(http, targets, rates, args, report)
             finally:
                 if smg is not None:
                     smg.stop()
-                if shim is not None:
-                    shim.stop()
 
 
 async def _measure(
@@ -505,8 +423,6 @@ async def _measure(
                 wall = time.monotonic() - w0
                 for p, pid in all_pids.items():
                     d = cpu_seconds(pid) - c0[p]
-                    if p in t.busy:
-                        continue
                     side = "on" if p in t.pids else "off"
                     acct[p][f"{side}_cpu"] += d
                     acct[p][f"{side}_wall"] += wall
@@ -551,13 +467,21 @@ async def _measure(
     report["targets"] = [{"name": t.name, "kind": t.kind, "baseline": t.baseline} for t in targets]
 
 
-def print_tables(report: dict[str, Any]) -> None:
+def tables(report: dict[str, Any]) -> str:
+    """The report as markdown: a header, the full table, the per-token goal, sustained rates, SMG probe."""
     rows = report["rows"]
-    print(
-        "\n| path | rate/s | ok / err | offered / achieved /s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-        "| added TTFT p50 / p99 ms | added TPOT p50 / p99 ms | gateway CPU s/1000 req (net) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    smg = report.get("smg", {})
+    out = [
+        f"`{report['command']}` — {report['machine']}, load average at start "
+        + " / ".join(f"{x:.1f}" for x in report["loadavg_at_start"])
+        + f", {report['date']}, commit {report['commit']}, smg {smg.get('version_or_reason', '–')}.",
+        "Baselines: `lumen`, `lumen_gen`, `smg_gen` against `direct` (worker `/generate`); `smg` against "
+        "`direct_oai` (worker `/v1/completions`), the endpoint SMG forwards to.",
+        "",
+        "| path | rate/s | ok / err | offered / achieved /s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+        "| added TTFT p50 / p99 ms | added TPOT p50 / p99 ms | gateway CPU s/1000 req (net) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, r in rows.items():
         name = key.split("@")[0]
         added = (
@@ -565,41 +489,50 @@ def print_tables(report: dict[str, Any]) -> None:
             f"{_fmt(r.get('added_tpot_p50_ms'), 3, True)} / {_fmt(r.get('added_tpot_p99_ms'), 3, True)}",
         ) if "baseline" in r else ("–", "–")  # fmt: skip
         cpu = f"{r['cpu_s_per_1000']:.1f} ({r['cpu_net_s_per_1000']:.1f})" if "cpu_s_per_1000" in r else "–"
-        print(
+        out.append(
             f"| {name} | {r['rate']:g} | {r['ok']} / {r['errors']} | {r['offered_rps']:.1f} / {r['achieved_rps']:.1f} "
             f"| {_fmt(r['ttft_p50_ms'])} / {_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'], 3)} / {_fmt(r['tpot_p99_ms'], 3)} "
             f"| {added[0]} | {added[1]} | {cpu} |"
         )
     names = [t["name"] for t in report["targets"] if not t["name"].startswith("direct")]
-    if "smg" in names:
-        print("\nGoal: Lumen's added TPOT p50 within 2x of SMG's (ms per token, vs each path's baseline)\n")
-        print("| rate/s | " + " | ".join(f"{n} added TPOT p50" for n in names) + " | lumen / smg |")
-        print("|---|" + "---|" * (len(names) + 1))
+    if "smg" in names or "smg_gen" in names:
+        ref = "smg" if "smg" in names else "smg_gen"
+        out += [
+            "",
+            f"Goal: Lumen's added TPOT p50 within 2x of SMG's (ms per token, vs each path's baseline; "
+            f"ratio lumen / {ref})",
+            "",
+            "| rate/s | " + " | ".join(f"{n} added TPOT p50" for n in names) + f" | lumen / {ref} |",
+            "|---|" + "---|" * (len(names) + 1),
+        ]
         for rate in report["args"]["rates"].split(","):
             per_path = {n: rows[f"{n}@{float(rate):g}"].get("added_tpot_p50_ms") for n in names}
-            smg_added, lumen_added = per_path.get("smg"), per_path.get("lumen")
+            smg_added, lumen_added = per_path.get(ref), per_path.get("lumen")
             if smg_added is None or lumen_added is None:
                 ratio = "–"
             elif smg_added < NOISE_MS:
                 ratio = f"SMG adds < {NOISE_MS} ms (noise); lumen {_fmt(lumen_added, 3, True)} ms"
             else:
                 ratio = f"{lumen_added / smg_added:.2f}"
-            print(f"| {rate} | " + " | ".join(_fmt(per_path[n], 3, True) for n in names) + f" | {ratio} |")
-    print(
-        f"\nmax sustained rate (achieved ≥ 95% of offered, 0 errors, TTFT p99 ≤ {report['args']['ttft_bound_ms']:g} ms):"
-    )
-    for name, r in report["max_sustained_rps"].items():
-        print(f"  {name}: {'none of the rates' if r is None else f'{r:g} req/s'}")
-    smg = report.get("smg", {})
-    if smg.get("endpoint"):
-        print(f"SMG endpoint measured: {smg['endpoint']}, via the compatibility shim: {smg.get('via_shim')}")
-    elif smg:
-        print(f"SMG not measured: {smg.get('not_measured') or smg.get('version_or_reason')}")
-    for what in ("probe_raw_workers", "probe_via_shim"):
-        for path, p in smg.get(what, {}).items():
-            print(
-                f"SMG {what} {path}: {'ok' if p['ok'] else 'FAILED'} ({p['status']}) {'' if p['ok'] else p['reply'][:200]}"
+            out.append(
+                f"| {rate} | " + " | ".join(_fmt(per_path[n], 3, True) for n in names) + f" | {ratio} |"
             )
+    out += [
+        "",
+        f"Max sustained rate (achieved ≥ 95% of offered, 0 errors, TTFT p99 ≤ {report['args']['ttft_bound_ms']:g} ms):",
+        "",
+    ]
+    for name, r in report["max_sustained_rps"].items():
+        out.append(f"- {name}: {'none of the rates' if r is None else f'{r:g} req/s'}")
+    out.append("")
+    if smg.get("measured"):
+        out.append(f"SMG paths measured (no shim): {', '.join(smg['measured'])}.")
+    elif smg:
+        out.append(f"SMG not measured: {smg.get('not_measured') or smg.get('version_or_reason')}.")
+    for path, p in smg.get("probe", {}).items():
+        reply = "" if p["ok"] else f": {p['reply'][:200]}"
+        out.append(f"- SMG probe {path}: {'ok' if p['ok'] else 'FAILED'} ({p['status']}){reply}")
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -621,7 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip `lumen_gen` (Lumen's native /generate, like for like with SMG's /generate)",
     )
-    ap.add_argument("--smg-shim", choices=("auto", "always", "never"), default="auto")
+    ap.add_argument(
+        "--no-smg-generate",
+        dest="smg_generate",
+        action="store_false",
+        help="skip `smg_gen` (SMG's /generate passthrough)",
+    )
     ap.add_argument("--no-smg", dest="smg", action="store_false")
     ap.add_argument("--no-install", action="store_true", help="do not pip install smg when missing")
     ap.add_argument("--seed", type=int, default=11)
@@ -632,12 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="extra Lumen config override (TOML value)",
     )
-    ap.add_argument("--out", default="out/bench_smg.json")
-    ap.add_argument("--serve-shim", metavar="PORT=URL,...", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--out", default="out/bench_smg.json", help="the JSON report; the tables go beside it as .md"
+    )
     args = ap.parse_args(argv)
-    if args.serve_shim:
-        serve_shim([(int(p), u) for p, u in (x.split("=", 1) for x in args.serve_shim.split(","))])
-        return 0
     report: dict[str, Any] = {
         "command": "python -m loadtests.bench_smg " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores py{platform.python_version()}",
@@ -653,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1, default=lambda o: asdict(o)))
         print(f"wrote {args.out}", file=sys.stderr)
-    print_tables(report)
+    md = tables(report)
+    Path(args.out).with_suffix(".md").write_text(md)
+    print(md)
     return 0
 
 

@@ -150,3 +150,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)
+    # OpenAI /v1/completions and /v1/chat/completions; imported here, as openai_compat imports this module
+    from worker_hooks.engine import openai_compat
+
+    openai_compat.add_routes(app)
