@@ -102,6 +102,8 @@ class HealthSection:
 class LoadSection:
     alpha: float = 1.0
     beta: float = 1.0
+    # new requests go to the least queue (False) or the least L̂ with its checkpoint term (the paper)
+    route_by_checkpoint_load: bool = False
 
 
 @dataclass(frozen=True, slots=True)

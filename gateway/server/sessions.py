@@ -22,7 +22,7 @@ import structlog
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams, dispatch
 from gateway.core.modes import RecoveryPolicy, policy_for
-from gateway.core.router import choose_worker
+from gateway.core.router import choose_worker, routing_params
 from gateway.core.types import ClusterView, LoadParams
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
 from gateway.server.checkpoints import CheckpointManager
@@ -101,6 +101,7 @@ class SessionManager:
         cost: CostModel | None = None,
         max_concurrent: int = 8192,
         clock: Callable[[], float] = time.monotonic,
+        route_params: LoadParams | None = None,
     ) -> None:
         self.max_concurrent = max_concurrent
         self.policy = policy or policy_for(recovery.mode)
@@ -111,6 +112,8 @@ class SessionManager:
         self.http = http
         self.recovery = recovery
         self.load_params = load_params
+        # what new requests (and resumes that dispatch leaves open) are routed by: see routing_params
+        self.route_params = route_params or routing_params(load_params)
         self.metrics = metrics
         self.clock = clock
         self.live: dict[str, Session] = {}
@@ -184,11 +187,11 @@ class SessionManager:
             view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()
             wid = self._dispatch(s, view, excluded)
             if wid is None:
-                wid = choose_worker(view, self.load_params, exclude=excluded)
+                wid = choose_worker(view, self.route_params, exclude=excluded)
             if wid is None and excluded:
                 # everything else is down: an excluded (stalled/refusing) worker beats no worker
                 excluded.clear()
-                wid = choose_worker(view, self.load_params)
+                wid = choose_worker(view, self.route_params)
             if wid is not None:
                 return self.monitor.workers[wid]
             left = deadline - self.clock()

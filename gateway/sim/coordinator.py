@@ -23,7 +23,7 @@ from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.modes import RecoveryPolicy
 from gateway.core.pairing import PairingParams, pair_drafters
-from gateway.core.router import choose_worker
+from gateway.core.router import choose_worker, routing_params
 from gateway.core.speculation import choose_k, expected_tokens_per_step
 from gateway.core.types import ClusterView, LoadParams, WorkerView
 from gateway.sim.request import SimRequest
@@ -47,6 +47,7 @@ class Coordinator:
         kv_bytes_per_token: int,
         page_size: int,
         lag_per_token: float,
+        route_by_checkpoint_load: bool = False,
     ) -> None:
         self.workers = workers
         self.by_id = {w.id: w for w in workers}
@@ -54,6 +55,7 @@ class Coordinator:
         self.dispatch_params, self.pairing_params, self.draft = dispatch_params, pairing, draft
         self.draft_step = draft_step
         self.kvb, self.page, self.lag_per_token = kv_bytes_per_token, page_size, lag_per_token
+        self.route_load = routing_params(load, route_by_checkpoint_load)
         self._views: dict[str, WorkerView] = {}
         self.pairs: dict[str, str] = {}
         self.decisions: Counter[str] = Counter()
@@ -120,7 +122,7 @@ class Coordinator:
 
     # -- routing and attempts -----------------------------------------------------------------------
     def route(self, r: SimRequest, now: float) -> bool:
-        wid = choose_worker(self.view(), self.load)
+        wid = choose_worker(self.view(), self.route_load)
         if wid is None:
             return False
         self.start(r, self.by_id[wid], now, 0)

@@ -73,6 +73,7 @@ class RecoverySpec:
     restart: bool = True
     alpha: float = 1.0
     beta: float = 1.0
+    route_by_checkpoint_load: bool = False  # route new requests by L̂ (the paper) instead of queue
     theta: float = 2.0
     theta_mode: Literal["relative", "absolute"] = "relative"
     tau: int = 512

@@ -81,6 +81,7 @@ class Simulation:
             kvb,
             c.page_size,
             lag_per_token(kvb, self.cost.gpu.d2h_bw * self.cost.tp, c.network_bw),
+            route_by_checkpoint_load=rec.route_by_checkpoint_load,
         )
         self.failures: tuple[FailureSpec, ...] = scenario.failures if failures else ()
         self.victims = scenario.victims(seed)

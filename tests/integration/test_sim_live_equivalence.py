@@ -109,6 +109,7 @@ class LiveShell:
             dispatch_params=c.dispatch_params,
             cost=c.cost,
             clock=self.clock,
+            route_params=c.route_load,
         )
         self.hello: dict[str, pb.Hello] = {}
         self.killed: set[str] = set()

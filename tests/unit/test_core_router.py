@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from gateway.core.health import WorkerState
 from gateway.core.load import estimated_load
-from gateway.core.router import choose_worker
+from gateway.core.router import choose_worker, routing_params
 from gateway.core.types import ClusterView, LoadParams, WorkerView
 
 states = st.sampled_from(list(WorkerState))
@@ -91,3 +91,16 @@ def test_only_healthy_workers_are_routed_to() -> None:
         WorkerView(id="c", state=WorkerState.HEALTHY, incarnation=1, running=50),
     ]
     assert choose_worker(ClusterView.of(ws), LoadParams()) == "c"
+
+
+@given(workers(min_size=1), params)
+def test_new_requests_are_routed_by_queue_unless_checkpoint_aware(ws: list[WorkerView], p: LoadParams) -> None:
+    view = ClusterView.of(ws)
+    chosen = choose_worker(view, routing_params(p))
+    serving = [w for w in ws if w.state is WorkerState.HEALTHY]
+    if not serving:
+        assert chosen is None
+        return
+    # the least running + waiting + pending, whatever checkpoints the workers hold
+    assert chosen == min(serving, key=lambda w: (w.running + w.waiting + w.pending, w.id)).id
+    assert choose_worker(view, routing_params(p, checkpoint_aware=True)) == choose_worker(view, p)
