@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable
 from typing import Protocol
@@ -24,9 +25,10 @@ from gateway.core.types import LoadParams
 from gateway.server.assist import DraftCoordinator
 from gateway.server.auth import require_admin
 from gateway.server.checkpoints import CheckpointManager
+from gateway.server.cluster import FAULT_SIGNALS, SLOWDOWN_RANGE, SPEED_MODES
 from gateway.server.config import Config, recovery_policy
 from gateway.server.control import ControlService, start_control_server
-from gateway.server.errors import InvalidRequest, NotFound
+from gateway.server.errors import InvalidRequest, NotFound, UpstreamFailed, UpstreamRejected
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.middleware import error_middleware
 from gateway.server.monitor import LoadMonitor, StateEvent
@@ -36,7 +38,7 @@ from gateway.server.tokenizer import make_tokenizer
 
 log = structlog.get_logger("lumen.gateway")
 
-FAULT_MODES = ("kill", "hang", "resume", "stall", "unstall", "term")
+FAULT_MODES = (*FAULT_SIGNALS, *SPEED_MODES)
 
 
 class FaultInjector(Protocol):
@@ -273,10 +275,35 @@ class Gateway:
             raise NotFound("fault injection is only available on a local cluster (`lumen cluster up`)")
         if mode not in FAULT_MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(FAULT_MODES)}, not {mode!r}", param="mode")
-        result = await self.fault_injector.kill(wid, mode)
+        if mode in SPEED_MODES:
+            factor = _slowdown_factor(request.query.get("factor")) if mode == "slow" else 1.0
+            result = await self._set_slowdown(wid, mode, factor)
+        else:
+            result = await self.fault_injector.kill(wid, mode)
         # on the same clock as /admin/events, so detection latency can be read off
         result["at"] = round(time.monotonic() - self.started_at, 4)
         return web.json_response(result)
+
+    async def _set_slowdown(self, wid: str, mode: str, factor: float) -> dict[str, object]:
+        """Forward a slow fault to the worker's own endpoint: only its engine can stretch its steps."""
+        rec = self.monitor.workers.get(wid)
+        if rec is None or self._http is None:
+            known = ", ".join(sorted(self.monitor.workers))
+            raise NotFound(f"no worker {wid!r} has attached; known: {known}")
+        url = f"{rec.http_url}/lumen/fault"
+        try:
+            # bounded: a hung (SIGSTOPped) worker never answers
+            async with self._http.post(
+                url,
+                json={"slowdown": factor},
+                timeout=aiohttp.ClientTimeout(total=self.config.timeouts.worker_connect_s),
+            ) as resp:
+                if resp.status != 200:
+                    raise UpstreamRejected(f"worker {wid} refused slowdown {factor}: {await resp.text()}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamFailed(f"worker {wid} did not take slowdown {factor} at {url}: {exc!r}") from exc
+        log.warning("fault_injected", worker=wid, pid=rec.pid, mode=mode, factor=factor)
+        return {"worker": wid, "pid": rec.pid, "mode": mode, "factor": factor, "t": time.time()}
 
     async def handle_events(self, request: web.Request) -> web.Response:
         require_admin(request, self.config.gateway.admin_api_keys)
@@ -345,3 +372,17 @@ class Gateway:
             rec = self.monitor.workers.get(ev.worker_id)
             if rec is not None:
                 self.metrics.detection_seconds.observe(max(0.0, ev.t - rec.last_heartbeat))
+
+
+def _slowdown_factor(raw: str | None) -> float:
+    """`factor` of `mode=slow`; a missing or out-of-range one is the client's error, never a default."""
+    lo, hi = SLOWDOWN_RANGE
+    try:
+        factor = float(raw) if raw is not None else math.nan
+    except ValueError:
+        factor = math.nan
+    if not lo <= factor <= hi:  # NaN (missing, not a number) fails too
+        raise InvalidRequest(
+            f"mode=slow needs factor, a number in [{lo:g}, {hi:g}]; got {raw!r}", param="factor"
+        )
+    return factor

@@ -36,6 +36,11 @@ FAULT_SIGNALS = {
     "unstall": signal.SIGUSR2,
     "term": signal.SIGTERM,
 }
+# slow: the engine keeps serving but every step takes `factor` x its modelled time (a degraded GPU;
+# the gateway forwards it to the worker's `POST /lumen/fault`, no signal can carry a factor); normal
+# undoes it. A worker restarted by the supervisor starts at normal speed.
+SPEED_MODES = ("slow", "normal")
+SLOWDOWN_RANGE = (1.0, 1000.0)  # a factor below 1 would be a speed-up; far beyond, a stall models it
 
 
 @dataclass(slots=True)

@@ -3,10 +3,11 @@
 It owns the step loop and the model-load timer (both started by `start()` and awaited by `stop()`),
 the worker's incarnation and phase, the checkpointer (store, sender, restores), the draft-assist
 roles (assist.py) and one `RequestHandle` per live request. Each step sleeps until an absolute
-deadline advanced by the modelled step time, so the CPU time the step itself took is not added on
-top, and timer granularity (uvloop rounds to 1 ms) evens out over steps. A step that admits a request
-with a restored prefix also pays the modelled host-to-device copy of that prefix; an assisted step
-first waits (at most draft_timeout) for its drafts and pays for verifying them.
+deadline advanced by the modelled step time (times the slowdown a slow fault sets), so the CPU time
+the step itself took is not added on top, and timer granularity (uvloop rounds to 1 ms) evens out
+over steps. A step that admits a request with a restored prefix also pays the modelled
+host-to-device copy of that prefix; an assisted step first waits (at most draft_timeout) for its
+drafts and pays for verifying them.
 
 A restart walks its load plan (loading.py). The switch to SERVING is one assignment in the load task,
 so the first request after it is admitted by the next step with no load wait left.
@@ -15,6 +16,7 @@ so the first request after it is admitted by the next step with no load wait lef
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -39,6 +41,8 @@ log = structlog.get_logger(__name__)
 
 # how far the step clock may lag behind wall time before it is pulled forward (no long catch-up bursts)
 MAX_LAG_S = 0.005
+# the largest step-time multiplier a slow fault may set (beyond it, a stall is the better model)
+MAX_SLOWDOWN = 1000.0
 
 
 def now_us() -> int:
@@ -95,6 +99,8 @@ class Engine:
         # heartbeating, so only the gateway's stall timeout can catch it
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        # fault injection (a slow, degraded GPU): every step takes `slowdown` x its modelled time
+        self.slowdown = 1.0
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self.requests_total = 0
@@ -126,6 +132,14 @@ class Engine:
     @property
     def paused(self) -> bool:
         return not self._unpaused.is_set()
+
+    def set_slowdown(self, factor: float) -> None:
+        """Stretch every following step to `factor` x its modelled time (fault injection: the engine
+        keeps serving, only slower); 1.0 restores normal speed. The step in progress keeps its time."""
+        if not (math.isfinite(factor) and 0 < factor <= MAX_SLOWDOWN):
+            raise ValueError(f"slowdown must be a number in (0, {MAX_SLOWDOWN:g}], got {factor}")
+        log.warning("engine slowdown (fault injection)", worker_id=self.worker_id, slowdown=factor)
+        self.slowdown = factor
 
     async def stop(self) -> None:
         """Abort every request (their streams end with an abort chunk) and stop the owned tasks."""
@@ -304,7 +318,7 @@ class Engine:
                 if result.restored_tokens:
                     modelled += self.cost.restore_time(result.restored_tokens)
                 self.modelled_s_total += modelled
-                deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale
+                deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale * self.slowdown
                 t1 = time.perf_counter()
                 delay = deadline - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)

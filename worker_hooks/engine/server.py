@@ -41,6 +41,15 @@ WORKER: web.AppKey[Worker] = web.AppKey("worker")
 _abort_decoder = msgspec.json.Decoder(AbortRequest)
 
 
+class FaultRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /lumen/fault` (fault injection, local clusters): `slowdown` x the modelled step time."""
+
+    slowdown: float
+
+
+_fault_decoder = msgspec.json.Decoder(FaultRequest)
+
+
 def error_response(exc: EngineError) -> web.Response:
     return web.Response(status=exc.status, body=encode(exc.body()), content_type="application/json")
 
@@ -137,6 +146,16 @@ async def abort_request(request: web.Request) -> web.Response:
     return json_response({"aborted": aborted})
 
 
+async def fault(request: web.Request) -> web.Response:
+    """A slow, degraded GPU: the engine keeps serving, every step `slowdown` x slower (1.0 restores)."""
+    engine = request.app[WORKER].engine
+    try:
+        engine.set_slowdown(_fault_decoder.decode(await request.read()).slowdown)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        return error_response(InvalidRequest(f"invalid /lumen/fault body: {exc}"))
+    return json_response({"worker_id": engine.worker_id, "slowdown": engine.slowdown})
+
+
 async def health(request: web.Request) -> web.Response:
     engine = request.app[WORKER].engine
     if engine.phase is Phase.SERVING:
@@ -148,6 +167,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_put("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/lumen/fault", fault)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)
     # OpenAI /v1/completions and /v1/chat/completions; imported here, as openai_compat imports this module
