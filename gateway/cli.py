@@ -118,7 +118,14 @@ def _admin(port: int, method: str, path: str) -> Any:
 
 def cmd_cluster_kill(args: argparse.Namespace) -> int:
     print(
-        json.dumps(_admin(args.port, "POST", f"/admin/workers/{args.worker_id}/kill?mode={args.kill_mode}"))
+        json.dumps(
+            _admin(
+                args.port,
+                "POST",
+                f"/admin/workers/{args.worker_id}/kill?mode={args.kill_mode}"
+                + (f"&factor={args.factor:g}" if args.kill_mode == "slow" else ""),
+            )
+        )
     )
     return 0
 
@@ -196,14 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float)
     p.add_argument("--log-dir")
     p.set_defaults(func=cmd_cluster_up)
-    p = csub.add_parser("kill", help="kill -9 (or hang) a worker of a running local cluster")
+    p = csub.add_parser("kill", help="kill -9 (or hang, stall, slow) a worker of a running local cluster")
     p.add_argument("worker_id")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--mode",
         dest="kill_mode",
-        choices=["kill", "hang", "resume", "stall", "unstall", "term"],
+        choices=["kill", "hang", "resume", "stall", "unstall", "term", "slow", "normal"],
         default="kill",
+    )
+    p.add_argument(
+        "--factor", type=float, default=5.0, help="--mode slow: every engine step this many times slower"
     )
     p.set_defaults(func=cmd_cluster_kill)
     p = csub.add_parser("status", help="list the workers of a running local cluster")

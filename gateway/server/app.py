@@ -21,6 +21,7 @@ from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
 from gateway.core.load import estimated_load
 from gateway.core.pairing import PairingParams
+from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
 from gateway.server.assist import DraftCoordinator
 from gateway.server.auth import require_admin
@@ -138,6 +139,7 @@ class Gateway:
             checkpoints=self.checkpoints,
             dispatch_params=self.dispatch_params,
             cost=self.cost,
+            route_params=routing_params(self.load_params, self.config.load.route_by_checkpoint_load),
         )
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         if self.assist is not None:
