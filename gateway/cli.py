@@ -229,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-mode", choices=["kill", "hang"], default="kill")
     p.add_argument("--port", type=int, default=0, help="gateway port (0: pick a free one)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--compare",
+        default="stop_restart,lumen",
+        help="after the demo, a short side-by-side run of these modes (empty: skip)",
+    )
+    p.add_argument("--compare-out", default="out/demo-compare")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "loadtest",

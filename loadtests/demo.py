@@ -240,4 +240,36 @@ def main(args: argparse.Namespace) -> int:
     ) as c:
         print(f"cluster ready at {c.url} (worker logs in {c.ready.get('logs')})")
         asyncio.run(_drive(c.url, wl, args.kill_at, args.kill_mode, out))
-    return summarize(wl, out, mode)
+    rc = summarize(wl, out, mode)
+    if args.compare and args.kill_at >= 0:
+        compare(args)
+    return rc
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The same short workload, seed and kill against a fresh cluster in each mode, plus one run
+    without the failure: `lumen loadtest` (loadtests.sidebyside) and EVALUATION.md's metrics."""
+    from loadtests.sidebyside import main as sidebyside
+
+    modes = args.compare
+    print(
+        f"\n== Side by side: {modes.replace(',', ' vs ')} on the same workload and kill "
+        "(a fresh cluster per mode, and one run without the failure) " + "=" * 10
+    )
+    argv = [
+        "--modes", modes,
+        "--workers", str(args.workers),
+        "--duration", "14",
+        "--rate", "10",
+        "--fault", "kill:busiest@5",
+        "--time-scale", "1",
+        "--max-running", "8",
+        "--model-load-s", "4",
+        "--seed", str(args.seed),
+        "--out", args.compare_out,
+        "--set", "engine.draft_load_s=1",
+        "--set", "engine.page_size=16",
+        "--set", "gateway.log_level=warning",
+    ]  # fmt: skip
+    sidebyside(argv)
+    print(f"(full report, JSON and timelines: {args.compare_out}/)")
