@@ -5,6 +5,7 @@ Modules: `synthetic` (the deterministic model and `expected_output`), `pages` (p
 (a starting worker's phase plan), `checkpointing` (the worker's checkpoint store, page streaming and
 restore lookup), `assist` (the draft-assist roles: `drafting` for a restarting worker's drafter,
 `speculative` for a target's drafts and adaptive k), `handle` (one request's emissions),
-`validation` (admission checks), `server` and `info` (HTTP), `metrics`, `worker` (`start_worker`,
+`validation` (admission checks), `server` and `info` (HTTP), `openai_compat` (OpenAI `/v1/completions`
+and `/v1/chat/completions` on the same engine path), `metrics`, `worker` (`start_worker`,
 in-process), `__main__` (the process entry point).
 """
