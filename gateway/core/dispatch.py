@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from gateway.core.costmodel import CostModel, StepWork
-from gateway.core.health import SERVING_STATES
-from gateway.core.load import estimated_load
+from gateway.core.load import LoadTable, estimated_load, load_table
 from gateway.core.modes import DISPATCH_RULES, DispatchRule
 from gateway.core.router import choose_worker
 from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
@@ -100,36 +99,49 @@ def dispatch(
     if params.rule == "cost" and cost is None:
         # a configuration error, not a runtime condition: fail before looking at the view
         raise ValueError("the cost dispatch rule needs a cost model")
-    survivors = [
-        w for w in view.workers.values() if w.state in SERVING_STATES and w.id != request.failed_worker
-    ]
-    least = choose_worker(view, params.load, exclude=(request.failed_worker,))
+    # survivors: the serving workers but the failed one, ranked by (L̂, id) in the view's table
+    table = load_table(view, params.load)
+    failed = request.failed_worker
+    least = choose_worker(view, params.load, exclude=(failed,))
     if least is None:
         return Decision("replay", None, "no survivor")
     if params.rule == "replay":
         return Decision("replay", least, "replay rule")
-    holders = sorted(
-        (w for w in survivors if w.id in request.holders),
-        key=lambda w: (estimated_load(w, params.load), w.id),
-    )
-    if not holders:
+    loads = table.loads
+    live = sorted({(loads[h], h) for h in request.holders if h != failed and h in loads})
+    if not live:
         return Decision("replay", least, "no live holder")
-    best = holders[0]
+    load, best = live[0]
     if params.rule == "always_holder":
-        return Decision("restore", best.id, "always_holder rule")
+        return Decision("restore", best, "always_holder rule")
     if params.rule == "cost" and cost is not None:
-        return _by_cost(view.workers[least], holders, request, params, cost)
-    load = estimated_load(best, params.load)
-    theta = theta_eff(survivors, params)
+        workers = view.workers
+        return _by_cost(workers[least], [workers[h] for _, h in live], request, params, cost)
+    theta = _theta(table, failed, params)
     if request.durable_tokens > params.tau:
-        return Decision("restore", best.id, f"|C_r|={request.durable_tokens} > tau={params.tau}")
+        return Decision("restore", best, f"|C_r|={request.durable_tokens} > tau={params.tau}")
     if load <= theta:
-        return Decision("restore", best.id, f"L(h)={load:.3g} <= theta_eff={theta:.3g}")
+        return Decision("restore", best, f"L(h)={load:.3g} <= theta_eff={theta:.3g}")
     return Decision(
         "replay",
         least,
         f"L(h)={load:.3g} > theta_eff={theta:.3g} and |C_r|={request.durable_tokens} <= tau={params.tau}",
     )
+
+
+def _theta(table: LoadTable, failed: WorkerId, params: DispatchParams) -> float:
+    """`theta_eff` of the survivors (the table's workers but `failed`), from the table's loads."""
+    if params.theta_mode == "absolute":
+        return params.theta
+    if failed in table.loads:  # the failed worker is still serving in this view: leave it out
+        survivors = [load for wid, load in table.loads.items() if wid != failed]
+        count, total = len(survivors), math.fsum(survivors)
+    else:
+        count, total = len(table.loads), table.total()
+    if not count:
+        return params.theta
+    mean = total / count
+    return params.theta * mean if mean > 0 else params.theta
 
 
 def theta_eff(survivors: list[WorkerView], params: DispatchParams) -> float:
@@ -160,17 +172,53 @@ def completion_delay(
     batch = params.load.nominal_batch
     ahead = w.running + w.waiting + w.pending
     in_batch = min(ahead, max(0, batch - 1))
-    decode = cost.decode_step_time([request.context_tokens] * (in_batch + 1))
+    ctx = request.context_tokens
+    decode = uniform_step_time(cost, in_batch + 1, ctx)  # cost.decode_step_time([ctx] * (in_batch + 1))
     excess = max(0, ahead + 1 - batch)
     wait = excess / max(1, batch) * params.service_steps * decode
     # r's own pages on w are restored (counted below) or dropped, never a backlog
     own = request.durable_tokens if w.id in request.holders else 0
     backlog = cost.restore_time(max(0, w.ckpt_tokens - own))
     tail = request.context_tokens - restored
-    prefill = cost.step_time(
-        StepWork(prefill=((tail, restored),), decode_contexts=(request.context_tokens,) * in_batch)
-    )
+    prefill = uniform_step_time(cost, in_batch, ctx, (tail, restored))
     return wait + backlog + cost.restore_time(restored) + prefill + request.remaining_tokens * decode
+
+
+def uniform_step_time(
+    cost: CostModel, decoding: int, context: int, prefill: tuple[int, int] | None = None
+) -> float:
+    """`cost.step_time` of `decoding` requests of `context` tokens each (plus one `prefill` chunk of
+    (new tokens, context)), without building the batch.
+
+    The same float as `cost.step_time(StepWork(prefill=(prefill,) if prefill else (),
+    decode_contexts=(context,) * decoding))`: the same operations in the same order (the per-request
+    attention FLOPs are still added one by one, as float sums are not associative), only without the
+    per-request tuples and generators. A CostModel subclass that overrides the step time is asked.
+    """
+    if type(cost).step_time is not CostModel.step_time:
+        work = StepWork(prefill=(prefill,) if prefill else (), decode_contexts=(context,) * decoding)
+        return cost.step_time(work)
+    m, g = cost.model, cost.gpu
+    new_tokens = decoding
+    kv_read_tokens = 0
+    if prefill is not None:
+        new_tokens += prefill[0]
+    if new_tokens == 0:
+        return 0.0
+    flops = 2.0 * m.params * new_tokens
+    if prefill is not None:
+        n, pctx = prefill
+        flops += 4.0 * m.layers * m.q_dim * n * (pctx + n / 2.0)
+        kv_read_tokens += pctx
+    per_request = 4.0 * m.layers * m.q_dim * context
+    for _ in range(decoding):
+        flops += per_request
+    kv_read_tokens += context * decoding
+    bytes_moved = m.weight_bytes + (kv_read_tokens + new_tokens) * m.kv_bytes_per_token
+    compute_s = flops / (g.peak_flops * g.mfu * cost.tp)
+    memory_s = bytes_moved / (g.hbm_bw * g.mbu * cost.tp)
+    comm_s = 2 * m.layers * g.tp_allreduce_s if cost.tp > 1 else 0.0
+    return cost.step_overhead_s + max(compute_s, memory_s) + comm_s
 
 
 def _by_cost(

@@ -9,17 +9,22 @@ never counted as "different", so clusters that declare no domains behave as if t
 
 Many requests may be assigned between two heartbeats; the shell keeps them balanced by folding each
 tentative assignment into its view with `with_assignment` before choosing the next holder.
+
+Cost: candidates are visited in rank order (the view's `LoadTable`, or its ring order, both kept
+with the view) and the scan stops at the first that fits, so a choice is O(holders) plus the
+candidates skipped, not a sort of the whole cluster.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field, replace
+from bisect import bisect_right
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
 
-from gateway.core.health import SERVING_STATES
-from gateway.core.load import estimated_load
+from gateway.core.load import SERVING, load_table
 from gateway.core.modes import PLACEMENTS, Placement
 from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
 
@@ -52,7 +57,7 @@ def ring_key(worker: WorkerId) -> tuple[tuple[int, int, str], ...]:
 
 def can_hold(w: WorkerView, need_bytes: int) -> bool:
     """Whether w may take a checkpoint of `need_bytes` now: HEALTHY and within its budget."""
-    if w.state not in SERVING_STATES or w.ckpt_budget_bytes <= 0:
+    if w.state not in SERVING or w.ckpt_budget_bytes <= 0:
         return False
     return w.ckpt_budget_bytes - w.ckpt_bytes >= need_bytes
 
@@ -91,51 +96,93 @@ def reassign_holders(
     count = params.replicas - len(set(alive_holders))
     if count <= 0:
         return ()
-    server = view.workers.get(serving)
+    workers = view.workers
+    server = workers.get(serving)
     banned_domain = server.failure_domain if server is not None and params.exclude_failure_domain else ""
-    candidates = [
-        w
-        for w in view.workers.values()
-        if w.id != serving
-        and w.id not in alive_holders
-        and can_hold(w, need_bytes)
-        and not _same_domain(w.failure_domain, banned_domain)
-    ]
+    # candidates in preference order, as (rank key, id): by (L̂, id), or around the ring from just
+    # after `serving`; eligibility is tested as the scan reaches them
+    order: Sequence[tuple[object, WorkerId]]
     if params.placement == "ring":
-        candidates = _ring_order(candidates, serving)
+        ring = _ring(view).entries
+        # ring keys are unique (they end with the raw id): those after `serving`'s, then the rest
+        start = bisect_right(ring, (ring_key(serving), serving))
+        order = ring[start:] + ring[:start]
     else:
-        candidates.sort(key=lambda w: (estimated_load(w, params.load), w.id))
-    taken_domains = {view.workers[h].failure_domain for h in alive_holders if h in view.workers}
-    return _pick(candidates, count, taken_domains)
+        order = load_table(view, params.load).ranked
+    taken_domains = {workers[h].failure_domain for h in alive_holders if h in workers}
 
-
-def _ring_order(candidates: Iterable[WorkerView], serving: WorkerId) -> list[WorkerView]:
-    """Candidates in ring order starting just after `serving` (which need not be in the view)."""
-    ordered = sorted(candidates, key=lambda w: ring_key(w.id))
-    start = ring_key(serving)
-    after = [w for w in ordered if ring_key(w.id) > start]
-    return after + [w for w in ordered if ring_key(w.id) <= start]
-
-
-def _pick(ranked: list[WorkerView], count: int, taken_domains: set[str]) -> tuple[WorkerId, ...]:
-    """The first `count` of `ranked`, each preferring a domain not yet used by a holder."""
+    n, pos = len(order), 0
+    eligible: list[WorkerView] = []  # the eligible candidates the scan has reached, in order
     chosen: list[WorkerId] = []
     domains = set(taken_domains)
     for _ in range(count):
-        rest = [w for w in ranked if w.id not in chosen]
-        if not rest:
+        # the first eligible, unchosen candidate outside every domain used so far, else the first
+        # eligible unchosen one (_pick on the whole ranked list, stopping as soon as it is decided)
+        first: WorkerView | None = None
+        best: WorkerView | None = None
+        i = 0
+        while True:
+            if i < len(eligible):
+                w = eligible[i]
+            else:
+                while pos < n:
+                    w = workers[order[pos][1]]
+                    pos += 1
+                    if (
+                        w.id != serving
+                        and w.id not in alive_holders
+                        and can_hold(w, need_bytes)
+                        and not _same_domain(w.failure_domain, banned_domain)
+                    ):
+                        eligible.append(w)
+                        break
+                else:
+                    break  # no candidate left
+            i += 1
+            if w.id in chosen:
+                continue
+            if first is None:
+                first = w
+            # not any(_same_domain(w.failure_domain, d) for d in domains)
+            if w.failure_domain == "" or w.failure_domain not in domains:
+                best = w
+                break
+        best = best or first
+        if best is None:
             break
-        fresh = [w for w in rest if not any(_same_domain(w.failure_domain, d) for d in domains)]
-        best = (fresh or rest)[0]
         chosen.append(best.id)
         domains.add(best.failure_domain)
     return tuple(chosen)
 
 
+class _Ring:
+    """Every worker of a view as (ring_key, id), in ring order; kept with the view."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, ids: Iterable[WorkerId]) -> None:
+        self.entries = sorted((ring_key(i), i) for i in ids)
+
+    def derive(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> _Ring | None:
+        # the order depends on the ids only: unchanged unless a worker was added
+        return self if all(old is not None for old, _ in changes) else None
+
+
+_RING = "holders.ring"
+
+
+def _ring(view: ClusterView) -> _Ring:
+    ring = view.derived.get(_RING)
+    if ring is None:
+        ring = view.derived[_RING] = _Ring([w.id for w in view.workers.values()])
+    return cast(_Ring, ring)
+
+
 def with_assignment(view: ClusterView, holder: WorkerId, tokens: int, nbytes: int) -> ClusterView:
     """`view` with a tentative checkpoint of `tokens`/`nbytes` added to `holder`'s store.
 
-    Negative amounts undo an assignment (a drop). The view is not changed; a new one is returned.
+    Negative amounts undo an assignment (a drop). The view is not changed; a new one is returned
+    (through `ClusterView.with_workers`, which keeps the view's derived tables up to date).
     """
     w = view.workers.get(holder)
     if w is None:
@@ -146,6 +193,4 @@ def with_assignment(view: ClusterView, holder: WorkerId, tokens: int, nbytes: in
             f"holder {holder!r} would hold {ckpt_tokens} tokens / {ckpt_bytes} bytes (< 0) "
             f"after adding {tokens} tokens / {nbytes} bytes"
         )
-    workers = dict(view.workers)
-    workers[holder] = replace(w, ckpt_tokens=ckpt_tokens, ckpt_bytes=ckpt_bytes)
-    return ClusterView(workers)
+    return view.with_workers((w.with_checkpoints(ckpt_tokens, ckpt_bytes),))

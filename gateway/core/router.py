@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from gateway.core.health import SERVING_STATES
-from gateway.core.load import estimated_load
+from gateway.core.load import load_table
 from gateway.core.types import ClusterView, LoadParams, WorkerId
 
 
@@ -16,14 +15,11 @@ def choose_worker(
 
     The result does not depend on the order of workers in the view.
     """
-    best: tuple[float, WorkerId] | None = None
-    for w in view.workers.values():
-        if w.state not in SERVING_STATES or w.id in exclude:
-            continue
-        key = (estimated_load(w, params), w.id)
-        if best is None or key < best:
-            best = key
-    return None if best is None else best[1]
+    # the view's serving workers, already ranked by (L̂, id): the first one not excluded
+    for _, wid in load_table(view, params).ranked:
+        if wid not in exclude:
+            return wid
+    return None
 
 
 def routing_params(params: LoadParams, checkpoint_aware: bool = False) -> LoadParams:

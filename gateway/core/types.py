@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.core.health import WorkerState
 
@@ -28,13 +29,53 @@ class WorkerView:
     failure_domain: str = ""
     # requests the gateway has routed here but the worker has not yet reported
     pending: int = 0
+    # a memo, not part of the value: (params, L̂) of the last `estimated_load` of this view
+    # (gateway.core.load); excluded from init, repr, equality and hashing, and not carried by replace
+    load_memo: tuple[LoadParams, float] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def with_checkpoints(self, ckpt_tokens: int, ckpt_bytes: int) -> WorkerView:
+        """`dataclasses.replace(self, ckpt_tokens=..., ckpt_bytes=...)`, several times faster."""
+        return WorkerView(
+            self.id,
+            self.state,
+            self.incarnation,
+            self.running,
+            self.waiting,
+            self.kv_tokens_used,
+            self.kv_capacity_tokens,
+            ckpt_tokens,
+            ckpt_bytes,
+            self.ckpt_budget_bytes,
+            self.failure_domain,
+            self.pending,
+        )
+
+
+class Derived(Protocol):
+    """A table computed from a view and kept with it (see `ClusterView.derived`).
+
+    `derive` returns the same table for `view.with_workers(...)`, given the old and new version of
+    every worker that changed (old None: a new worker), or None when it cannot (it is then rebuilt
+    on first use).
+    """
+
+    def derive(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> Derived | None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterView:
-    """A snapshot of every worker; policies are pure functions of it."""
+    """A snapshot of every worker; policies are pure functions of it.
+
+    A view is a value: its `workers` mapping must not be changed once the view is made, because the
+    policies cache tables computed from it in `derived` (the serving workers ordered by load, the
+    ring order). To change a few workers, make a new view with `with_workers`, which carries those
+    tables over incrementally instead of recomputing them.
+    """
 
     workers: Mapping[WorkerId, WorkerView] = field(default_factory=dict)
+    # tables derived from `workers`, keyed by what they depend on (e.g. the LoadParams); a cache,
+    # not part of the value
+    derived: dict[object, Derived] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
     def of(workers: Iterable[WorkerView]) -> ClusterView:
@@ -42,6 +83,28 @@ class ClusterView:
 
     def in_states(self, states: frozenset[WorkerState]) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.state in states]
+
+    def with_workers(self, changed: Iterable[WorkerView]) -> ClusterView:
+        """This view with `changed` workers added or replaced (by id; the last of an id wins).
+
+        Equal to `ClusterView({**self.workers, **{w.id: w for w in changed}})`, but the tables
+        derived from this view are updated for the changed workers instead of being rebuilt.
+        """
+        new = {w.id: w for w in changed}
+        if not new:
+            return self
+        old = self.workers
+        workers = dict(old)
+        workers.update(new)
+        view = ClusterView(workers)
+        if self.derived:
+            changes = [(old.get(wid), w) for wid, w in new.items()]
+            tables = view.derived
+            for key, table in self.derived.items():
+                updated = table.derive(changes)
+                if updated is not None:
+                    tables[key] = updated
+        return view
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,6 @@ and what the gateway has assigned to it, so a burst of assignments between heart
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ import structlog
 from gateway.core import holders as holder_policy
 from gateway.core.dispatch import InterruptedRequest
 from gateway.core.health import WorkerState
-from gateway.core.types import ClusterView
+from gateway.core.types import ClusterView, WorkerView
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import HolderRef
 from gateway.server.control import ControlService
@@ -47,6 +46,26 @@ class Checkpoint:
     retired: bool = False
 
 
+class _Assigned(defaultdict[str, int]):
+    """Tokens assigned per holder (0 when absent), remembering which holders' entries were set or
+    deleted since `view()` last looked (`touched`), so that the view is updated for those only.
+
+    Only item assignment (`d[h] = n`, `d[h] += n`) and `del d[h]` are tracked: change it that way.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(int)
+        self.touched: set[str] = set()
+
+    def __setitem__(self, key: str, value: int) -> None:
+        super().__setitem__(key, value)
+        self.touched.add(key)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.touched.add(key)
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -65,7 +84,10 @@ class CheckpointManager:
         self.by_wrid: dict[str, Checkpoint] = {}
         self.by_session: dict[str, list[str]] = defaultdict(list)
         # tokens the gateway has assigned to each holder and not yet released
-        self.assigned_tokens: dict[str, int] = defaultdict(int)
+        self.assigned_tokens = _Assigned()
+        # view(): the last view made, and the monitor's view it was made from
+        self._view: ClusterView | None = None
+        self._base: ClusterView | None = None
         self._session_seq: dict[str, int] = {}
         self._next_seq = 0
         # workers found FAILED and not yet handled: failures detected together are handled together
@@ -74,18 +96,34 @@ class CheckpointManager:
 
     # -- the view the policies see --------------------------------------------------------------
     def view(self) -> ClusterView:
+        """The monitor's view with each holder's checkpoint term raised to what it was assigned.
+
+        Kept between calls: the same object while nothing changed, else the previous one updated
+        (`ClusterView.with_workers`) for the workers whose monitor view or assigned tokens changed.
+        """
         base = self.monitor.view()
-        out = {}
-        for wid, w in base.workers.items():
-            assigned = self.assigned_tokens.get(wid, 0)
-            if assigned > w.ckpt_tokens:
-                w = dataclasses.replace(
-                    w,
-                    ckpt_tokens=assigned,
-                    ckpt_bytes=max(w.ckpt_bytes, assigned * self.kv_bytes_per_token),
-                )
-            out[wid] = w
-        return ClusterView(out)
+        cached, prev = self._view, self._base
+        touched = self.assigned_tokens.touched
+        if cached is None or prev is None or len(base.workers) != len(prev.workers):
+            out = ClusterView({wid: self._charged(w) for wid, w in base.workers.items()})
+        else:
+            if base is not prev:
+                changes = self.monitor.view_changes(prev)
+                if changes is None:  # not the monitor's previous view: compare worker by worker
+                    old = prev.workers
+                    changes = tuple(wid for wid, w in base.workers.items() if old.get(wid) is not w)
+                touched.update(changes)
+            workers = base.workers
+            out = cached.with_workers([self._charged(workers[wid]) for wid in touched if wid in workers])
+        touched.clear()
+        self._view, self._base = out, base
+        return out
+
+    def _charged(self, w: WorkerView) -> WorkerView:
+        assigned = self.assigned_tokens.get(w.id, 0)
+        if assigned > w.ckpt_tokens:
+            return w.with_checkpoints(assigned, max(w.ckpt_bytes, assigned * self.kv_bytes_per_token))
+        return w
 
     # -- lifecycle of one attempt's checkpoint --------------------------------------------------
     def assign(

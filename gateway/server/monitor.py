@@ -47,9 +47,33 @@ class StateEvent:
     reason: str
 
 
+# the record fields a WorkerView is made of: writing one of them invalidates the record's view
+_VIEW_FIELDS = frozenset(
+    {
+        "id",
+        "state",
+        "incarnation",
+        "running",
+        "waiting",
+        "kv_tokens_used",
+        "kv_capacity_tokens",
+        "ckpt_tokens",
+        "ckpt_bytes",
+        "ckpt_budget_bytes",
+        "failure_domain",
+        "inflight",
+    }
+)
+
+
 @dataclass(slots=True)
 class WorkerRecord:
-    """Mutable per-worker record; only the monitor changes it."""
+    """Mutable per-worker record; only the monitor changes it (and sessions its `inflight`).
+
+    Its WorkerView is kept until a field it is made of is written (`__setattr__`); the first such
+    write after the view was made also puts the record on its monitor's list of changed records, so
+    the monitor's ClusterView is updated for those workers only.
+    """
 
     id: str
     incarnation: int
@@ -89,8 +113,29 @@ class WorkerRecord:
     watchers: dict[int, FailureCallback] = field(default_factory=dict)
     # set by the monitor to end the control stream of this incarnation
     fence: asyncio.Event = field(default_factory=asyncio.Event)
+    # the WorkerView of the current fields (None: to be made), and where to report a change to it
+    _view: WorkerView | None = field(default=None, init=False, repr=False, compare=False)
+    _changed: list[WorkerRecord] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in _VIEW_FIELDS:
+            try:
+                cached = self._view
+            except AttributeError:  # __init__ has not set it yet
+                return
+            if cached is not None:
+                object.__setattr__(self, "_view", None)
+                if self._changed is not None:
+                    self._changed.append(self)
 
     def view(self) -> WorkerView:
+        if self._view is None:
+            object.__setattr__(self, "_view", self._make_view())
+        assert self._view is not None
+        return self._view
+
+    def _make_view(self) -> WorkerView:
         reported = self.running + self.waiting
         return WorkerView(
             id=self.id,
@@ -132,6 +177,12 @@ class LoadMonitor:
         self._became_healthy = asyncio.Event()
         self._last_tick: float | None = None
         self.on_state_change: list[Callable[[StateEvent], None]] = []
+        # the ClusterView last made by view(), and the records changed since (see WorkerRecord)
+        self._view: ClusterView | None = None
+        self._changed: list[WorkerRecord] = []
+        # the view before the last one, and the ids view() updated from it (None: rebuilt)
+        self._prev_view: ClusterView | None = None
+        self._prev_changes: tuple[str, ...] | None = None
 
     # -- attach / heartbeat / detach ------------------------------------------------------------
     def attach(self, hello: pb.Hello) -> WorkerRecord:
@@ -172,6 +223,8 @@ class LoadMonitor:
             last_heartbeat=now,
             attached_at=now,
         )
+        rec._changed = self._changed
+        self._changed.append(rec)
         self.workers[rec.id] = rec
         self._record(rec, old.state if old else None, state, "attached")
         self._apply_phase(rec, phase)
@@ -250,7 +303,35 @@ class LoadMonitor:
 
     # -- views and subscriptions ----------------------------------------------------------------
     def view(self) -> ClusterView:
-        return ClusterView({w.id: w.view() for w in self.workers.values()})
+        """Every worker as the gateway sees it now.
+
+        The same ClusterView object while no worker changed; otherwise the previous one updated for
+        the workers whose records changed (`ClusterView.with_workers`, which keeps the policies'
+        ranked load tables), rebuilt from scratch only when workers were added.
+        """
+        cv, changed = self._view, self._changed
+        if not changed and cv is not None and len(cv.workers) == len(self.workers):
+            return cv
+        ids: tuple[str, ...] | None = None
+        if cv is None or len(cv.workers) != len(self.workers) or len(changed) > 4 * len(self.workers):
+            new = ClusterView({w.id: w.view() for w in self.workers.values()})
+        else:
+            workers = self.workers
+            # records of replaced incarnations may still change (a session's inflight): not ours
+            views = [rec.view() for rec in changed if workers.get(rec.id) is rec]
+            new = cv.with_workers(views)
+            ids = tuple(w.id for w in views)
+        changed.clear()
+        if new is not cv:
+            self._prev_view, self._prev_changes, self._view = cv, ids, new
+        return new
+
+    def view_changes(self, since: ClusterView) -> tuple[str, ...] | None:
+        """The ids of the workers that may differ between `since` and the current view when `since`
+        is the view before it; None otherwise (compare them yourself)."""
+        if since is self._prev_view and self._prev_changes is not None:
+            return self._prev_changes
+        return None
 
     def healthy_count(self) -> int:
         return sum(1 for w in self.workers.values() if w.state is WorkerState.HEALTHY)
