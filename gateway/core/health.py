@@ -17,6 +17,9 @@ class WorkerState(enum.Enum):
     RESTARTING = "RESTARTING"
     DRAFT_READY = "DRAFT_READY"
     DRAINING = "DRAINING"
+    # alive and heartbeating but far slower than its peers (a gray failure, core/gray.py): no new
+    # requests or checkpoints; its running requests are moved elsewhere
+    DEGRADED = "DEGRADED"
     REMOVED = "REMOVED"
 
 
@@ -24,7 +27,8 @@ S = WorkerState
 
 TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     S.JOINING: frozenset({S.HEALTHY, S.FAILED, S.REMOVED}),
-    S.HEALTHY: frozenset({S.SUSPECT, S.FAILED, S.DRAINING}),
+    S.HEALTHY: frozenset({S.SUSPECT, S.FAILED, S.DRAINING, S.DEGRADED}),
+    S.DEGRADED: frozenset({S.HEALTHY, S.SUSPECT, S.FAILED, S.DRAINING, S.REMOVED}),
     # a suspect worker either heartbeats again or is declared failed
     S.SUSPECT: frozenset({S.HEALTHY, S.FAILED, S.DRAINING}),
     # a failed worker only comes back as a new incarnation, which starts by loading
@@ -38,7 +42,9 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 # states in which a worker may receive new requests or hold checkpoints
 SERVING_STATES = frozenset({S.HEALTHY})
 # states in which the worker process is believed alive (its streams are trusted)
-ALIVE_STATES = frozenset({S.JOINING, S.HEALTHY, S.SUSPECT, S.RESTARTING, S.DRAFT_READY, S.DRAINING})
+ALIVE_STATES = frozenset(
+    {S.JOINING, S.HEALTHY, S.SUSPECT, S.RESTARTING, S.DRAFT_READY, S.DRAINING, S.DEGRADED}
+)
 
 
 class IllegalTransition(ValueError):
@@ -76,13 +82,13 @@ def state_for_phase(current: WorkerState, phase: Phase) -> WorkerState:
     if current in (S.FAILED, S.REMOVED):
         return current
     if phase is Phase.SERVING:
-        if current in (S.DRAINING,):
+        if current in (S.DRAINING, S.DEGRADED):  # the gateway's verdicts, not the worker's
             return current
         return S.HEALTHY
     if phase is Phase.DRAFT_READY:
         return S.DRAFT_READY if current in (S.RESTARTING, S.DRAFT_READY) else current
     if phase is Phase.DRAINING:
-        return S.DRAINING if current in (S.HEALTHY, S.SUSPECT, S.DRAINING) else current
+        return S.DRAINING if current in (S.HEALTHY, S.SUSPECT, S.DRAINING, S.DEGRADED) else current
     # loading phases: a first start stays JOINING, a restart stays RESTARTING
     return current
 
@@ -98,7 +104,7 @@ def missed_heartbeat_state(
         return current
     if since_last_s > misses * interval_s:
         return S.FAILED
-    if current is S.HEALTHY and since_last_s > interval_s * 1.5:
+    if current in (S.HEALTHY, S.DEGRADED) and since_last_s > interval_s * 1.5:
         # 1.5 intervals: one heartbeat is late by more than half a period, i.e. it was missed
         return S.SUSPECT
     return current
