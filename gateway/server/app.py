@@ -109,6 +109,7 @@ class Gateway:
                 metrics=self.metrics,
             )
         self._assist_task: asyncio.Task[None] | None = None
+        self._gray_task: asyncio.Task[None] | None = None
         self.sessions: SessionManager | None = None
         self._http: aiohttp.ClientSession | None = None
         self._grpc: aio.Server | None = None
@@ -146,6 +147,8 @@ class Gateway:
             # re-pair at a few heartbeat intervals: loads move slowly, pairs should not flap
             period = 5 * self.config.health.heartbeat_interval_ms / 1000
             self._assist_task = asyncio.create_task(self.assist.run(period), name="draft-assist")
+        if self.config.gray.enabled:
+            self._gray_task = asyncio.create_task(self._watch_gray(), name="gray-failures")
         app = self.build_app()
         self._runner = web.AppRunner(
             app,
@@ -165,10 +168,20 @@ class Gateway:
             mode=self.config.recovery.mode,
         )
 
+    async def _watch_gray(self) -> None:
+        """Degrade workers far slower per token than their peers (core/gray.py); with failover on,
+        their running requests resume elsewhere, restoring on their holders where they can."""
+        gr = self.config.gray
+        params = gr.params()
+        migrate = gr.migrate and self.policy.failover
+        while True:
+            await asyncio.sleep(gr.check_interval_s)
+            self.monitor.check_gray(params, gr.window_s, gr.probation_s, migrate=migrate)
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        for task in (self._detector, self._assist_task):
+        for task in (self._detector, self._assist_task, self._gray_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -264,6 +277,8 @@ class Gateway:
                     else None,
                     "load": round(estimated_load(w.view(), self.load_params), 4),
                     "last_heartbeat_ms_ago": round(1000 * (now - w.last_heartbeat), 1),
+                    # the gateway's measured decode speed on this worker (gray-failure verdicts)
+                    "per_token_ms": round(1000 * w.per_token_s, 2) if w.per_token_at is not None else None,
                     "failure_domain": w.failure_domain,
                 }
             )

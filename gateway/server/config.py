@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from draft_models.registry import DraftError, validate_pairs
+from gateway.core.gray import GrayParams
 from gateway.core.modes import MODES, RecoveryPolicy, policy_for
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
@@ -121,6 +122,23 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True, slots=True)
+class GraySection:
+    """Gray failures: a worker far slower per token than its peers is DEGRADED (core/gray.py)."""
+
+    enabled: bool = True
+    slow_factor: float = 2.5  # DEGRADED above this x the median time per token of its peers
+    recover_factor: float = 1.5  # HEALTHY again below this x (hysteresis)
+    min_peers: int = 2  # measured peers needed for a verdict
+    window_s: float = 5.0  # a measurement older than this does not count
+    probation_s: float = 30.0  # an unmeasured DEGRADED worker gets requests again after this
+    check_interval_s: float = 0.5
+    migrate: bool = True  # move a degraded worker's running requests elsewhere (else they finish there)
+
+    def params(self) -> GrayParams:
+        return GrayParams(self.enabled, self.slow_factor, self.recover_factor, self.min_peers)
+
+
+@dataclass(frozen=True, slots=True)
 class RecoverySection:
     mode: str = (
         "lumen"  # none | stop_restart | fixed_checkpoint | lumen | lumen-no-draft | ... (core/modes.py)
@@ -187,6 +205,7 @@ class Config:
     load: LoadSection = field(default_factory=LoadSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     recovery: RecoverySection = field(default_factory=RecoverySection)
+    gray: GraySection = field(default_factory=GraySection)
     draft: DraftSection = field(default_factory=DraftSection)
     timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -435,6 +454,19 @@ def validate(cfg: Config) -> None:
     _positive("recovery.first_token_timeout_s", r.first_token_timeout_s)
     _positive("recovery.stall_timeout_s", r.stall_timeout_s)
     _check(r.no_worker_wait_s >= 0, "recovery.no_worker_wait_s", r.no_worker_wait_s, "must be >= 0")
+
+    gr = cfg.gray
+    _check(gr.slow_factor > 1, "gray.slow_factor", gr.slow_factor, "must be > 1")
+    _check(
+        1 < gr.recover_factor < gr.slow_factor,
+        "gray.recover_factor",
+        gr.recover_factor,
+        "must be > 1 and < gray.slow_factor",
+    )
+    _check(gr.min_peers >= 1, "gray.min_peers", gr.min_peers, "must be >= 1")
+    _positive("gray.window_s", gr.window_s)
+    _check(gr.probation_s >= gr.window_s, "gray.probation_s", gr.probation_s, "must be >= gray.window_s")
+    _positive("gray.check_interval_s", gr.check_interval_s)
 
     d = cfg.draft
     for i, pair in enumerate(d.pairs):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway.core import health
+from gateway.core.gray import GrayParams, gray_verdicts
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import ClusterView, WorkerView
 from gateway.protocol import control_pb2 as pb
@@ -109,6 +110,11 @@ class WorkerRecord:
     inflight: int = 0
     attached_at: float = 0.0
     failed_at: float | None = None
+    # time per output token the gateway measures on this incarnation's streams (EWMA), and when
+    # it was last updated; DEGRADED since when (gray failures, core/gray.py)
+    per_token_s: float = 0.0
+    per_token_at: float | None = None
+    degraded_at: float | None = None
     # called once when this incarnation fails; keyed by a subscription id
     watchers: dict[int, FailureCallback] = field(default_factory=dict)
     # set by the monitor to end the control stream of this incarnation
@@ -335,6 +341,62 @@ class LoadMonitor:
 
     def healthy_count(self) -> int:
         return sum(1 for w in self.workers.values() if w.state is WorkerState.HEALTHY)
+
+    # -- gray failures ---------------------------------------------------------------------------
+    def observe_tokens(
+        self, worker_id: str, incarnation: int, per_token_s: float, weight: float = 0.1
+    ) -> None:
+        """A stream on this incarnation took `per_token_s` per token since its previous chunk."""
+        rec = self.workers.get(worker_id)
+        if rec is None or rec.incarnation != incarnation or per_token_s <= 0:
+            return
+        now = self.clock()
+        fresh = rec.per_token_at is None
+        rec.per_token_s = per_token_s if fresh else rec.per_token_s + weight * (per_token_s - rec.per_token_s)
+        rec.per_token_at = now
+
+    def check_gray(
+        self, params: GrayParams, window_s: float, probation_s: float, *, migrate: bool = True
+    ) -> None:
+        """Degrade workers far slower per token than their peers; trust degraded ones again when
+        they are back near the peers or, unmeasured, after `probation_s` (core/gray.py)."""
+        now = self.clock()
+        times: dict[str, float] = {}
+        degraded: list[str] = []
+        for rec in self.workers.values():
+            if rec.state is WorkerState.DEGRADED:
+                degraded.append(rec.id)
+                # its moved requests are gone: its last measurement stands until probation ends
+                assert rec.degraded_at is not None
+                if rec.per_token_at is not None and now - rec.degraded_at < probation_s:
+                    times[rec.id] = rec.per_token_s
+            elif (
+                rec.state is WorkerState.HEALTHY
+                and rec.per_token_at is not None
+                and now - rec.per_token_at <= window_s
+            ):
+                times[rec.id] = rec.per_token_s
+        verdict = gray_verdicts(times, degraded, params)
+        for wid in sorted(verdict.degrade):
+            rec = self.workers[wid]
+            peers = sorted(t for w, t in times.items() if w != wid)
+            self._set(
+                rec,
+                WorkerState.DEGRADED,
+                f"gray: {1000 * rec.per_token_s:.1f} ms/token vs peers {[round(1000 * t, 1) for t in peers]}",
+            )
+            rec.degraded_at = now
+            if not migrate:
+                continue
+            # its streams end here and resume elsewhere through recovery dispatch
+            watchers, rec.watchers = rec.watchers, {}
+            for cb in watchers.values():
+                cb(f"degraded: worker {wid} is serving far slower than its peers")
+        for wid in sorted(verdict.restore):
+            rec = self.workers[wid]
+            self._set(rec, WorkerState.HEALTHY, "gray: back near its peers' speed, or probation over")
+            rec.degraded_at = None
+            rec.per_token_at = None  # measured afresh on the requests it gets now
 
     def watch(self, worker_id: str, incarnation: int, callback: FailureCallback) -> int | None:
         """Call `callback(reason)` when this incarnation fails. None if it is already gone."""

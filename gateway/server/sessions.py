@@ -250,6 +250,7 @@ class SessionManager:
         if sub is None:
             raise WorkerLost(f"worker {worker.id} incarnation {worker.incarnation} is gone")
         worker.inflight += 1
+        prev_chunk_at: float | None = None
         try:
             async with stream:
                 while (chunk := await stream.next_chunk()) is not None:
@@ -258,7 +259,12 @@ class SessionManager:
                     if not ids and fin is None:
                         continue
                     if ids:
-                        self._on_tokens(s, worker, len(ids), chunk.meta_info.restored_tokens)
+                        now = self._on_tokens(s, worker, len(ids), chunk.meta_info.restored_tokens)
+                        if prev_chunk_at is not None:  # decode speed, for gray-failure verdicts
+                            self.monitor.observe_tokens(
+                                worker.id, worker.incarnation, (now - prev_chunk_at) / len(ids)
+                            )
+                        prev_chunk_at = now
                         s.emitted.extend(ids)
                     finish = None if fin is None else ("abort" if fin.type == "abort" else fin.type)
                     if finish == "abort":
@@ -277,7 +283,7 @@ class SessionManager:
             self.monitor.unwatch(worker.id, sub)
 
     # -- bookkeeping ----------------------------------------------------------------------------
-    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, restored: int) -> None:
+    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, restored: int) -> float:
         now = self.clock()
         if s.first_token_at is None:
             s.first_token_at = now
@@ -295,6 +301,7 @@ class SessionManager:
             self.metrics.resumes.labels(kind="restore" if restored else "replay").inc()
         s.last_token_at = now
         self.metrics.output_tokens.inc(n)
+        return now
 
     def _note_interruption(self, s: Session, worker: WorkerRecord, reason: str) -> None:
         now = self.clock()
