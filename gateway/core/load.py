@@ -34,31 +34,35 @@ def queue_term(w: WorkerView, nominal_batch: int) -> float:
 
 
 def estimated_load(w: WorkerView, params: LoadParams) -> float:
-    memo = w.load_memo
-    if memo is not None and (memo[0] is params or memo[0] == params):
-        return memo[1]
+    memo = w.load_memo  # the last two (params, L̂) computed for w, by identity of the params
+    if memo is not None:
+        if memo[0] is params:
+            return memo[1]
+        if memo[2] is params:
+            return memo[3]
     # checkpoint_term and queue_term inlined (the same operations, so the same float)
     load = params.alpha * (w.ckpt_tokens / max(1, w.kv_capacity_tokens)) + params.beta * (
         (w.running + w.waiting + w.pending) / max(1, params.nominal_batch)
     )
-    object.__setattr__(w, "load_memo", (params, load))  # a memo on a frozen value (see WorkerView)
+    # a memo on a frozen value (see WorkerView)
+    object.__setattr__(
+        w, "load_memo", (params, load, None, 0.0) if memo is None else (params, load, memo[0], memo[1])
+    )
     return load
 
 
 class LoadTable:
-    """The serving workers of one view by `(L̂, id)`, lowest first, and `L̂` of each.
+    """The serving workers of one view by `(L̂, id)`, lowest first (and, on demand, `L̂` by id).
 
     Immutable once built (a view's table is shared by every decision on that view).
     """
 
-    __slots__ = ("_total", "loads", "params", "ranked")
+    __slots__ = ("_loads", "_total", "params", "ranked")
 
-    def __init__(
-        self, params: LoadParams, ranked: list[tuple[float, WorkerId]], loads: dict[WorkerId, float]
-    ) -> None:
+    def __init__(self, params: LoadParams, ranked: list[tuple[float, WorkerId]]) -> None:
         self.params = params
         self.ranked = ranked
-        self.loads = loads
+        self._loads: dict[WorkerId, float] | None = None
         self._total: float | None = None
 
     @staticmethod
@@ -70,39 +74,54 @@ class LoadTable:
                 load = memo[1] if memo is not None and memo[0] is params else estimated_load(w, params)
                 ranked.append((load, w.id))
         ranked.sort()
-        return LoadTable(params, ranked, {wid: load for load, wid in ranked})
+        return LoadTable(params, ranked)
+
+    @property
+    def loads(self) -> dict[WorkerId, float]:
+        """`L̂` of every serving worker, by id."""
+        if self._loads is None:
+            self._loads = {wid: load for load, wid in self.ranked}
+        return self._loads
 
     def total(self) -> float:
         """`math.fsum` of every serving worker's `L̂` (exactly rounded: independent of order)."""
         if self._total is None:
-            self._total = math.fsum(self.loads.values())
+            self._total = math.fsum(load for load, _ in self.ranked)
         return self._total
 
     def derive(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> LoadTable | None:
         if len(changes) > _MAX_INCREMENTAL:
             return None
         params = self.params
+        alpha, beta, batch = params.alpha, params.beta, max(1, params.nominal_batch)
         ranked: list[tuple[float, WorkerId]] | None = None  # copied at the first real change
-        loads = self.loads
-        for _, w in changes:
-            wid = w.id
-            old = loads.get(wid)
-            new = estimated_load(w, params) if w.state in SERVING else None
+        for was, w in changes:
+            # L̂ before and after (None: not serving): estimated_load inlined, the same operations
+            # and so the same floats; the table holds `was` at its L̂, as `was` is in the old view
+            old: float | None = None
+            if was is not None and was.state in SERVING:
+                old = alpha * (was.ckpt_tokens / max(1, was.kv_capacity_tokens)) + beta * (
+                    (was.running + was.waiting + was.pending) / batch
+                )
+            new: float | None = None
+            if w.state in SERVING:
+                new = alpha * (w.ckpt_tokens / max(1, w.kv_capacity_tokens)) + beta * (
+                    (w.running + w.waiting + w.pending) / batch
+                )
             if new == old and (new or _same_zero(new, old)):
                 continue  # same rank (None == None: neither serving)
             if ranked is None:
-                ranked, loads = self.ranked.copy(), loads.copy()
+                ranked = self.ranked.copy()
+            wid = w.id
             if old is not None:
-                del loads[wid]
                 i = bisect_left(ranked, (old, wid))
                 if i == len(ranked) or ranked[i][1] != wid:
                     return None  # not where it should be (a non-finite L̂): rebuild
                 del ranked[i]
             if new is not None:
-                loads[wid] = new
                 insort(ranked, (new, wid))
         # a table is never changed once made, so an unchanged one is shared
-        return self if ranked is None else LoadTable(params, ranked, loads)
+        return self if ranked is None else LoadTable(params, ranked)
 
 
 def _same_zero(a: float | None, b: float | None) -> bool:
@@ -113,8 +132,14 @@ def _same_zero(a: float | None, b: float | None) -> bool:
 
 
 def load_table(view: ClusterView, params: LoadParams) -> LoadTable:
-    """`view`'s serving workers ranked by `(L̂, id)` under `params` (built once per view)."""
-    table = view.derived.get(params)
-    if table is None:
-        table = view.derived[params] = LoadTable.build(view, params)
-    return cast(LoadTable, table)
+    """`view`'s serving workers ranked by `(L̂, id)` under `params` (built once per view).
+
+    Kept in `view.derived` under `id(params)`: an int hashes faster than the dataclass, and the table
+    holds `params`, so that id cannot be reused by another object while the table exists.
+    """
+    key = id(params)
+    table = cast(LoadTable | None, view.derived.get(key))
+    if table is None or table.params is not params:
+        table = LoadTable.build(view, params)
+        view.derived[key] = table
+    return table

@@ -29,9 +29,12 @@ class WorkerView:
     failure_domain: str = ""
     # requests the gateway has routed here but the worker has not yet reported
     pending: int = 0
-    # a memo, not part of the value: (params, L̂) of the last `estimated_load` of this view
-    # (gateway.core.load); excluded from init, repr, equality and hashing, and not carried by replace
-    load_memo: tuple[LoadParams, float] | None = field(default=None, init=False, repr=False, compare=False)
+    # a memo, not part of the value: (params, L̂, older params, its L̂) of the last two
+    # `estimated_load` of this view (gateway.core.load); excluded from init, repr, equality and
+    # hashing, and not carried by replace
+    load_memo: tuple[LoadParams, float, LoadParams | None, float] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def with_checkpoints(self, ckpt_tokens: int, ckpt_bytes: int) -> WorkerView:
         """`dataclasses.replace(self, ckpt_tokens=..., ckpt_bytes=...)`, several times faster."""

@@ -56,7 +56,8 @@ class Coordinator:
         self.draft_step = draft_step
         self.kvb, self.page, self.lag_per_token = kv_bytes_per_token, page_size, lag_per_token
         self.route_load = routing_params(load, route_by_checkpoint_load)
-        self._views: dict[str, WorkerView] = {}
+        self._dirty: list[SimWorker] = []  # workers marked dirty since view() last ran
+        self._view = ClusterView()
         self.pairs: dict[str, str] = {}
         self.decisions: Counter[str] = Counter()
         self.restored_tokens = 0
@@ -65,8 +66,12 @@ class Coordinator:
 
     # -- the view ---------------------------------------------------------------------------------
     def refresh_all(self) -> None:
+        """Rebuild the view of every worker (each worker then reports its changes: `mark_dirty`)."""
+        self._dirty.clear()
         for w in self.workers:
-            self._views[w.id] = self._view_of(w)
+            w.dirty_sink = self._dirty
+            w.dirty = False
+        self._view = ClusterView({w.id: self._view_of(w) for w in self.workers})
 
     def _view_of(self, w: SimWorker) -> WorkerView:
         return WorkerView(
@@ -85,40 +90,67 @@ class Coordinator:
         )
 
     def view(self) -> ClusterView:
-        views = self._views
-        for w in self.workers:
+        """The gateway's view: the previous one updated for the workers marked dirty since.
+
+        `ClusterView.with_workers` carries the policies' ranked load tables over, so a decision
+        costs O(changed workers), not O(workers).
+        """
+        dirty = self._dirty
+        if not dirty:
+            return self._view
+        old = self._view.workers
+        changed = []
+        for w in dirty:
             if not w.dirty:
-                continue
+                continue  # refreshed since it was marked (freeze)
             w.dirty = False
-            if w.alive:
-                views[w.id] = self._view_of(w)
-            else:
-                old = views[w.id]
-                views[w.id] = WorkerView(
-                    w.id,
-                    w.state,
-                    w.incarnation,
-                    old.running,
-                    old.waiting,
-                    old.kv_tokens_used,
-                    old.kv_capacity_tokens,
-                    w.ckpt_tokens,
-                    w.ckpt_bytes,
-                    w.ckpt_budget_bytes,
-                    w.domain,
-                    len(w.lost) - w.lost_at_kill,  # sent to it since it died
+            if w.alive:  # self._view_of(w), inlined (the hot path)
+                changed.append(
+                    WorkerView(
+                        w.id,
+                        w.state,
+                        w.incarnation,
+                        w.running,
+                        len(w.waiting),
+                        w.kv_used,
+                        w.kv_capacity,
+                        w.ckpt_tokens,
+                        w.ckpt_bytes,
+                        w.ckpt_budget_bytes,
+                        w.domain,
+                        0,
+                    )
                 )
-        # policies read the view synchronously and keep nothing, so one dict serves every call
-        return ClusterView(views)
+            else:
+                last = old[w.id]
+                changed.append(
+                    WorkerView(
+                        w.id,
+                        w.state,
+                        w.incarnation,
+                        last.running,
+                        last.waiting,
+                        last.kv_tokens_used,
+                        last.kv_capacity_tokens,
+                        w.ckpt_tokens,
+                        w.ckpt_bytes,
+                        w.ckpt_budget_bytes,
+                        w.domain,
+                        len(w.lost) - w.lost_at_kill,  # sent to it since it died
+                    )
+                )
+        dirty.clear()
+        self._view = self._view.with_workers(changed)
+        return self._view
 
     def freeze(self, w: SimWorker) -> None:
         """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
-        self._views[w.id] = self._view_of(w)
+        self._view = self._view.with_workers((self._view_of(w),))
         w.dirty = False
 
     def set_state(self, w: SimWorker, state: WorkerState) -> None:
         w.state = transition(w.state, state)
-        w.dirty = True
+        w.mark_dirty()
 
     # -- routing and attempts -----------------------------------------------------------------------
     def route(self, r: SimRequest, now: float) -> bool:
@@ -147,7 +179,7 @@ class Coordinator:
             h.ckpt_tokens += tokens
             h.ckpt_bytes += tokens * self.kvb
             h.held.add(r)
-            h.dirty = True
+            h.mark_dirty()
         r.holders = r.holders + holders
         r.ck_tokens = tokens
 
@@ -157,7 +189,7 @@ class Coordinator:
             h.ckpt_tokens -= r.ck_tokens
             h.ckpt_bytes -= r.ck_tokens * self.kvb
             h.held.discard(r)
-            h.dirty = True
+            h.mark_dirty()
         r.holders = ()
         r.ck_time = None
 
@@ -188,7 +220,7 @@ class Coordinator:
         affected = sorted(dead.held, key=lambda r: r.rid)
         dead.held.clear()
         dead.ckpt_tokens = dead.ckpt_bytes = 0
-        dead.dirty = True
+        dead.mark_dirty()
         for r in affected:
             r.holders = tuple(h for h in r.holders if h is not dead)
             w = r.worker

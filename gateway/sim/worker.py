@@ -65,6 +65,8 @@ class SimWorker:
         self.ckpt_bytes = 0
         self.alive = True
         self.dirty = True  # the gateway's view of this worker is out of date
+        # where mark_dirty reports the worker (the coordinator's list of workers to refresh)
+        self.dirty_sink: list[SimWorker] | None = None
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
         self.slow = 1.0
@@ -92,9 +94,16 @@ class SimWorker:
         self.run: Run | None = None
         self.chunks: list[tuple[SimRequest, int]] = []
 
+    def mark_dirty(self) -> None:
+        """The gateway's view of this worker is out of date (reported once until it is refreshed)."""
+        if not self.dirty:
+            self.dirty = True
+            if self.dirty_sink is not None:
+                self.dirty_sink.append(self)
+
     # -- work arriving ---------------------------------------------------------------------------
     def enqueue(self, r: SimRequest, now: float) -> None:
-        self.dirty = True
+        self.mark_dirty()
         if not self.alive:
             self.lost.append(r)  # sent to a dead worker the gateway has not yet declared failed
             return
@@ -200,7 +209,7 @@ class SimWorker:
             self.kv_used += need
             r.kv_reserved = need
             self.running += 1
-            self.dirty = True
+            self.mark_dirty()
             ctx = r.context
             r.prefill_left = max(1, ctx - r.restored)
             r.kv_ctx = ctx - r.prefill_left
@@ -227,7 +236,7 @@ class SimWorker:
             self.host.on_finished(r, now)
 
     def _release(self, r: SimRequest) -> None:
-        self.dirty = True
+        self.mark_dirty()
         self.running -= 1
         self.kv_used -= r.kv_reserved
         r.kv_reserved = 0
@@ -263,7 +272,7 @@ class SimWorker:
         lost.extend(sorted(self.restoring, key=lambda r: r.rid))
         lost.extend(self.waiting)
         self.alive = False
-        self.dirty = True
+        self.mark_dirty()
         self.lost = lost
         self.lost_at_kill = len(lost)
         self._reset_engine()
@@ -272,7 +281,7 @@ class SimWorker:
     def restart(self) -> None:
         """A new incarnation starts (loading): empty engine, no checkpoints."""
         self.alive = True
-        self.dirty = True
+        self.mark_dirty()
         self.incarnation += 1
         self.slow = 1.0
         self._reset_engine()

@@ -53,9 +53,7 @@ def reference(mon: LoadMonitor, mgr: CheckpointManager) -> ClusterView:
         w = rec._make_view()
         assigned = mgr.assigned_tokens.get(wid, 0)
         if assigned > w.ckpt_tokens:
-            w = dataclasses.replace(
-                w, ckpt_tokens=assigned, ckpt_bytes=max(w.ckpt_bytes, assigned * KV)
-            )
+            w = dataclasses.replace(w, ckpt_tokens=assigned, ckpt_bytes=max(w.ckpt_bytes, assigned * KV))
         out[wid] = w
     return ClusterView(out)
 
