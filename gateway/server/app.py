@@ -173,6 +173,7 @@ class Gateway:
         their running requests resume elsewhere, restoring on their holders where they can."""
         gr = self.config.gray
         params = gr.params()
+        self.monitor.token_half_life_s, self.monitor.token_min = gr.half_life_s, gr.min_tokens
         migrate = gr.migrate and self.policy.failover
         while True:
             await asyncio.sleep(gr.check_interval_s)

@@ -133,6 +133,8 @@ class GraySection:
     probation_s: float = 30.0  # an unmeasured DEGRADED worker gets requests again after this
     check_interval_s: float = 0.5
     migrate: bool = True  # move a degraded worker's running requests elsewhere (else they finish there)
+    half_life_s: float = 2.0  # the measured time per token forgets with this half-life
+    min_tokens: int = 32  # tokens a measurement needs before it counts
 
     def params(self) -> GrayParams:
         return GrayParams(self.enabled, self.slow_factor, self.recover_factor, self.min_peers)
@@ -467,6 +469,8 @@ def validate(cfg: Config) -> None:
     _positive("gray.window_s", gr.window_s)
     _check(gr.probation_s >= gr.window_s, "gray.probation_s", gr.probation_s, "must be >= gray.window_s")
     _positive("gray.check_interval_s", gr.check_interval_s)
+    _positive("gray.half_life_s", gr.half_life_s)
+    _check(gr.min_tokens >= 1, "gray.min_tokens", gr.min_tokens, "must be >= 1")
 
     d = cfg.draft
     for i, pair in enumerate(d.pairs):

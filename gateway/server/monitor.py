@@ -115,6 +115,10 @@ class WorkerRecord:
     per_token_s: float = 0.0
     per_token_at: float | None = None
     degraded_at: float | None = None
+    # decayed sums behind per_token_s (see LoadMonitor.observe_tokens)
+    token_seconds: float = 0.0
+    token_count: float = 0.0
+    token_sums_at: float | None = None
     # called once when this incarnation fails; keyed by a subscription id
     watchers: dict[int, FailureCallback] = field(default_factory=dict)
     # set by the monitor to end the control stream of this incarnation
@@ -183,6 +187,9 @@ class LoadMonitor:
         self._became_healthy = asyncio.Event()
         self._last_tick: float | None = None
         self.on_state_change: list[Callable[[StateEvent], None]] = []
+        # how the time per token of each worker is measured (gray failures; see observe_tokens)
+        self.token_half_life_s = 2.0
+        self.token_min = 32
         # the ClusterView last made by view(), and the records changed since (see WorkerRecord)
         self._view: ClusterView | None = None
         self._changed: list[WorkerRecord] = []
@@ -343,17 +350,28 @@ class LoadMonitor:
         return sum(1 for w in self.workers.values() if w.state is WorkerState.HEALTHY)
 
     # -- gray failures ---------------------------------------------------------------------------
-    def observe_tokens(
-        self, worker_id: str, incarnation: int, per_token_s: float, weight: float = 0.1
-    ) -> None:
-        """A stream on this incarnation took `per_token_s` per token since its previous chunk."""
+    def observe_tokens(self, worker_id: str, incarnation: int, tokens: int, seconds: float) -> None:
+        """A stream on this incarnation got `tokens` tokens `seconds` after its previous chunk.
+
+        The worker's time per token is the ratio of two sums that decay with `token_half_life_s`
+        (seconds over tokens, not a mean of per-chunk ratios: chunks that arrive together carry
+        near-zero gaps that the chunk before them paid for). It counts once `token_min` tokens
+        are in the sums, so one step slowed by a prefill chunk does not make a verdict.
+        """
         rec = self.workers.get(worker_id)
-        if rec is None or rec.incarnation != incarnation or per_token_s <= 0:
+        if rec is None or rec.incarnation != incarnation or tokens <= 0 or seconds < 0:
             return
         now = self.clock()
-        fresh = rec.per_token_at is None
-        rec.per_token_s = per_token_s if fresh else rec.per_token_s + weight * (per_token_s - rec.per_token_s)
-        rec.per_token_at = now
+        if rec.token_sums_at is not None:
+            decay = 0.5 ** ((now - rec.token_sums_at) / self.token_half_life_s)
+            rec.token_seconds *= decay
+            rec.token_count *= decay
+        rec.token_seconds += seconds
+        rec.token_count += tokens
+        rec.token_sums_at = now
+        if rec.token_count >= self.token_min:
+            rec.per_token_s = rec.token_seconds / rec.token_count
+            rec.per_token_at = now
 
     def check_gray(
         self, params: GrayParams, window_s: float, probation_s: float, *, migrate: bool = True
@@ -396,7 +414,9 @@ class LoadMonitor:
             rec = self.workers[wid]
             self._set(rec, WorkerState.HEALTHY, "gray: back near its peers' speed, or probation over")
             rec.degraded_at = None
-            rec.per_token_at = None  # measured afresh on the requests it gets now
+            # measured afresh on the requests it gets now
+            rec.per_token_at = rec.token_sums_at = None
+            rec.token_seconds = rec.token_count = 0.0
 
     def watch(self, worker_id: str, incarnation: int, callback: FailureCallback) -> int | None:
         """Call `callback(reason)` when this incarnation fails. None if it is already gone."""

@@ -262,7 +262,7 @@ class SessionManager:
                         now = self._on_tokens(s, worker, len(ids), chunk.meta_info.restored_tokens)
                         if prev_chunk_at is not None:  # decode speed, for gray-failure verdicts
                             self.monitor.observe_tokens(
-                                worker.id, worker.incarnation, (now - prev_chunk_at) / len(ids)
+                                worker.id, worker.incarnation, len(ids), now - prev_chunk_at
                             )
                         prev_chunk_at = now
                         s.emitted.extend(ids)

@@ -22,7 +22,9 @@ async def test_slow_worker_is_degraded_its_requests_move_and_it_comes_back(clust
     c = cluster_factory(workers=4, mode="lumen", **GRAY)
     reqs = make_requests(32, seed=41, min_out=200, max_out=300)
     load = asyncio.create_task(run_requests(c.url, reqs))
-    ws = await wait_for(c.url, lambda ws: sum(w["ckpt_tokens"] for w in ws) > 2000, 20, "checkpoints to build up")
+    ws = await wait_for(
+        c.url, lambda ws: sum(w["ckpt_tokens"] for w in ws) > 2000, 20, "checkpoints to build up"
+    )
     slow = max(ws, key=lambda w: (w["running"], w["id"]))["id"]
     await admin(c.url, "POST", f"/admin/workers/{slow}/kill?mode=slow&factor=8")
     ws = await wait_for(
@@ -46,4 +48,6 @@ async def test_slow_worker_is_degraded_its_requests_move_and_it_comes_back(clust
     # no FAILED transition: it never died
     assert not [e for e in events if e["worker"] == slow and e["to"] == "FAILED"]
     # probation over (nothing measures it while it gets no requests): HEALTHY again
-    await wait_for(c.url, lambda ws: any(w["id"] == slow and w["state"] == "HEALTHY" for w in ws), 10, "probation")
+    await wait_for(
+        c.url, lambda ws: any(w["id"] == slow and w["state"] == "HEALTHY" for w in ws), 10, "probation"
+    )
