@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from gateway.core.costmodel import CostModel, StepWork
-from gateway.core.load import LoadTable, estimated_load, load_table
+from gateway.core.load import SERVING, LoadTable, estimated_load, load_table
 from gateway.core.modes import DISPATCH_RULES, DispatchRule
 from gateway.core.router import choose_worker
 from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
@@ -107,17 +107,22 @@ def dispatch(
         return Decision("replay", None, "no survivor")
     if params.rule == "replay":
         return Decision("replay", least, "replay rule")
-    loads = table.loads
-    live = sorted({(loads[h], h) for h in request.holders if h != failed and h in loads})
+    workers, load_params = view.workers, params.load
+    live = sorted(
+        {
+            (estimated_load(w, load_params), h)
+            for h in request.holders
+            if h != failed and (w := workers.get(h)) is not None and w.state in SERVING
+        }
+    )
     if not live:
         return Decision("replay", least, "no live holder")
     load, best = live[0]
     if params.rule == "always_holder":
         return Decision("restore", best, "always_holder rule")
     if params.rule == "cost" and cost is not None:
-        workers = view.workers
         return _by_cost(workers[least], [workers[h] for _, h in live], request, params, cost)
-    theta = _theta(table, failed, params)
+    theta = _theta(table, failed in workers and workers[failed].state in SERVING, failed, params)
     if request.durable_tokens > params.tau:
         return Decision("restore", best, f"|C_r|={request.durable_tokens} > tau={params.tau}")
     if load <= theta:
@@ -129,15 +134,15 @@ def dispatch(
     )
 
 
-def _theta(table: LoadTable, failed: WorkerId, params: DispatchParams) -> float:
+def _theta(table: LoadTable, failed_serving: bool, failed: WorkerId, params: DispatchParams) -> float:
     """`theta_eff` of the survivors (the table's workers but `failed`), from the table's loads."""
     if params.theta_mode == "absolute":
         return params.theta
-    if failed in table.loads:  # the failed worker is still serving in this view: leave it out
-        survivors = [load for wid, load in table.loads.items() if wid != failed]
+    if failed_serving:  # the failed worker is still serving in this view: leave it out
+        survivors = [load for load, wid in table.ranked if wid != failed]
         count, total = len(survivors), math.fsum(survivors)
     else:
-        count, total = len(table.loads), table.total()
+        count, total = len(table.ranked), table.total()
     if not count:
         return params.theta
     mean = total / count

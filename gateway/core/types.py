@@ -67,7 +67,7 @@ class Derived(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ClusterView:
-    """A snapshot of every worker; policies are pure functions of it.
+    """A snapshot of every worker, keyed by worker id; policies are pure functions of it.
 
     A view is a value: its `workers` mapping must not be changed once the view is made, because the
     policies cache tables computed from it in `derived` (the serving workers ordered by load, the
