@@ -72,11 +72,12 @@ class Fleet:
     inflight: deque[tuple[tuple[str, ...], int]]
     rnd: random.Random
 
-    def request_tokens(self) -> tuple[int, int]:
+    def request_tokens(self, rnd: random.Random | None = None) -> tuple[int, int]:
         """(context, remaining) of a conv-like request (Azure conv trace lognormals)."""
-        prompt = int(min(4142, max(16, self.rnd.lognormvariate(6.93, 0.77))))
-        output = int(min(601, max(8, self.rnd.lognormvariate(4.86, 0.93))))
-        done = self.rnd.randrange(output)
+        rnd = rnd or self.rnd
+        prompt = int(min(4142, max(16, rnd.lognormvariate(6.93, 0.77))))
+        output = int(min(601, max(8, rnd.lognormvariate(4.86, 0.93))))
+        done = rnd.randrange(output)
         return prompt + done, output - done
 
     def assign(self, serving: str, params: HolderParams, lengths: tuple[int, int] | None = None) -> None:
@@ -159,8 +160,11 @@ def row_makers(
             }
         )
 
+    # the context rows draw from their own generator, so that the fleet evolves as without them
+    side = random.Random(1)
+
     def view_update() -> Thunk:
-        wid = rnd.choice(ids)
+        wid = side.choice(ids)
         w = fleet.view.workers[wid]
         changed = dataclasses.replace(w, pending=w.pending + 1)  # one more request routed there
         return lambda: fleet.view.with_workers((changed,))
@@ -176,13 +180,14 @@ def row_makers(
                 down = ClusterView({**fleet.view.workers, failed: dead})
             else:
                 down = fleet.view.with_workers((dead,))
-            ctx, rem = fleet.request_tokens()
-            held, _ = fleet.inflight[rnd.randrange(len(fleet.inflight))]
+            r = side if cold else rnd
+            ctx, rem = fleet.request_tokens(r)
+            held, _ = fleet.inflight[r.randrange(len(fleet.inflight))]
             req = InterruptedRequest(
                 rid="r",
                 failed_worker=failed,
                 holders=held,
-                durable_tokens=rnd.randrange(ctx + 1),
+                durable_tokens=r.randrange(ctx + 1),
                 context_tokens=ctx,
                 remaining_tokens=rem,
             )
