@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from gateway.core.health import WorkerState
 from gateway.core.types import WorkerId
 
 
@@ -51,6 +52,40 @@ class GrayVerdict:
 
 
 NO_CHANGE = GrayVerdict(frozenset(), frozenset())
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What a shell knows of one worker's speed: its state, its measured time per token and when
+    it was last measured (None: never, or not since it was trusted again), and when it was degraded."""
+
+    worker: WorkerId
+    state: WorkerState
+    per_token_s: float
+    measured_at: float | None
+    degraded_at: float | None = None
+
+
+def verdict_inputs(
+    now: float, observations: list[Observation], window_s: float, probation_s: float
+) -> tuple[dict[WorkerId, float], list[WorkerId]]:
+    """The `per_token_s` and `degraded` arguments of `gray_verdicts`, the same way in every shell.
+
+    A HEALTHY worker counts with a measurement at most `window_s` old. A DEGRADED worker keeps its
+    last measurement (its requests were moved, nothing measures it) until `probation_s` after it
+    was degraded; then it is unmeasured, which `gray_verdicts` answers by trusting it again.
+    """
+    times: dict[WorkerId, float] = {}
+    degraded: list[WorkerId] = []
+    for o in observations:
+        if o.state is WorkerState.DEGRADED:
+            degraded.append(o.worker)
+            since = o.degraded_at if o.degraded_at is not None else now
+            if o.measured_at is not None and now - since < probation_s:
+                times[o.worker] = o.per_token_s
+        elif o.state is WorkerState.HEALTHY and o.measured_at is not None and now - o.measured_at <= window_s:
+            times[o.worker] = o.per_token_s
+    return times, degraded
 
 
 def gray_verdicts(

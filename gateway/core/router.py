@@ -28,8 +28,8 @@ def routing_params(params: LoadParams, checkpoint_aware: bool = False) -> LoadPa
     By default the queue term alone (running + waiting + pending): checkpoints a worker holds cost it
     nothing until a failure, and steering new requests away from holders unbalances serving for no
     gain (the simulator measured +5% mean TTFT at 60% load with no failure, and a worse recovery at
-    80%). `L̂` with its checkpoint term stays the measure for holder choice and recovery dispatch.
-    `checkpoint_aware` restores the paper's routing by `L̂`.
+    80%). `L̂` with its checkpoint term stays the measure for holder choice and recovery dispatch,
+    where it estimates recovery burden. `checkpoint_aware` restores the paper's routing by `L̂`.
     """
     if checkpoint_aware:
         return params

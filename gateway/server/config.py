@@ -125,7 +125,9 @@ class CheckpointSection:
 class GraySection:
     """Gray failures: a worker far slower per token than its peers is DEGRADED (core/gray.py)."""
 
-    enabled: bool = True
+    # off by default: in the simulator, excluding a slow worker cost more TTFT than it saved, because
+    # the queue-based router already gives it less work (docs/results.md, "Gray failures")
+    enabled: bool = False
     slow_factor: float = 2.5  # DEGRADED above this x the median time per token of its peers
     recover_factor: float = 1.5  # HEALTHY again below this x (hysteresis)
     min_peers: int = 2  # measured peers needed for a verdict

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway.core import health
-from gateway.core.gray import GrayParams, gray_verdicts
+from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import ClusterView, WorkerView
 from gateway.protocol import control_pb2 as pb
@@ -379,21 +379,11 @@ class LoadMonitor:
         """Degrade workers far slower per token than their peers; trust degraded ones again when
         they are back near the peers or, unmeasured, after `probation_s` (core/gray.py)."""
         now = self.clock()
-        times: dict[str, float] = {}
-        degraded: list[str] = []
-        for rec in self.workers.values():
-            if rec.state is WorkerState.DEGRADED:
-                degraded.append(rec.id)
-                # its moved requests are gone: its last measurement stands until probation ends
-                assert rec.degraded_at is not None
-                if rec.per_token_at is not None and now - rec.degraded_at < probation_s:
-                    times[rec.id] = rec.per_token_s
-            elif (
-                rec.state is WorkerState.HEALTHY
-                and rec.per_token_at is not None
-                and now - rec.per_token_at <= window_s
-            ):
-                times[rec.id] = rec.per_token_s
+        observations = [
+            Observation(r.id, r.state, r.per_token_s, r.per_token_at, r.degraded_at)
+            for r in self.workers.values()
+        ]
+        times, degraded = verdict_inputs(now, observations, window_s, probation_s)
         verdict = gray_verdicts(times, degraded, params)
         for wid in sorted(verdict.degrade):
             rec = self.workers[wid]

@@ -26,6 +26,7 @@ class RunStats:
     draft_k_mean: float | None
     pairings: int
     events: int
+    degradations: int = 0  # gray-failure verdicts (workers marked DEGRADED)
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,7 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         acceptance_rate=s.acceptance_rate,
         draft_k_mean=_r(s.draft_k_mean, 2),
         draft_pairings=s.pairings,
+        degradations=s.degradations,
         simulated_s=round(run.simulated_s, 2),
         events=s.events,
     )

@@ -84,6 +84,19 @@ class RecoverySpec:
 
 
 @dataclass(frozen=True, slots=True)
+class GraySpec:
+    """Gray-failure handling, as the live gateway's [gray] section (core/gray.py); off by default."""
+
+    enabled: bool = False
+    slow_factor: float = 2.5
+    recover_factor: float = 1.5
+    min_peers: int = 2
+    window_s: float = 5.0
+    probation_s: float = 30.0
+    migrate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class DraftSpec:
     agreement: float = 0.7  # per-token acceptance rate a of the draft model
     k_min: int = 1
@@ -104,6 +117,7 @@ class Scenario:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     recovery: RecoverySpec = field(default_factory=RecoverySpec)
+    gray: GraySpec = field(default_factory=GraySpec)
     draft: DraftSpec = field(default_factory=DraftSpec)
     failures: tuple[FailureSpec, ...] = ()
 
@@ -225,6 +239,11 @@ def validate(s: Scenario) -> None:
         (0.0 <= d.agreement <= 1.0, "draft.agreement must be in [0, 1]"),
         (0 <= d.k_min <= d.k_max, "draft: need 0 <= k_min <= k_max"),
         (s.sample_s > 0, "sample_s must be > 0"),
+        (
+            1 < s.gray.recover_factor < s.gray.slow_factor and s.gray.min_peers >= 1,
+            "gray: need 1 < recover_factor < slow_factor and min_peers >= 1",
+        ),
+        (0 < s.gray.window_s <= s.gray.probation_s, "gray: need 0 < window_s <= probation_s"),
     ]
     for ok, message in checks:
         if not ok:

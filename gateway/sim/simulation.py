@@ -18,6 +18,7 @@ from collections.abc import Callable
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import checkpoint_coverage, holder_balance
+from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
@@ -89,6 +90,13 @@ class Simulation:
         self.coverage_flags: list[bool] = []
         self.balance: float | None = None
         self.balance_taken = False
+        self.gray_params = GrayParams(
+            scenario.gray.enabled,
+            scenario.gray.slow_factor,
+            scenario.gray.recover_factor,
+            scenario.gray.min_peers,
+        )
+        self.degradations = 0
         self.workload = workload
         self._arrivals = workload.arrivals.tolist()
         self._prompts = workload.prompts.tolist()
@@ -152,9 +160,40 @@ class Simulation:
                 [w.ckpt_tokens for w in self.workers],
             )
         )
+        if self.scenario.gray.enabled:
+            self._check_gray(now)
         self.coord.repair(now)
         if self.open or len(self.requests) < len(self._arrivals):
             self.queue.push(now + self.scenario.sample_s, ev.TICK)
+
+    def _check_gray(self, now: float) -> None:
+        """Gray failures, as the live gateway handles them (LoadMonitor.check_gray): a worker far slower
+        per token than its peers is DEGRADED and its requests resume elsewhere by recovery dispatch."""
+        g, coord = self.scenario.gray, self.coord
+        observations = []
+        for w in self.workers:
+            w.measure(now)
+            observations.append(Observation(w.id, w.state, w.per_token_s, w.per_token_at, w.degraded_at))
+        times, degraded = verdict_inputs(now, observations, g.window_s, g.probation_s)
+        verdict = gray_verdicts(times, degraded, self.gray_params)
+        for wid in sorted(verdict.degrade):
+            w = coord.by_id[wid]
+            coord.set_state(w, S.DEGRADED)
+            w.degraded_at = now
+            self.degradations += 1
+            if not (g.migrate and self.policy.failover):
+                continue
+            running = [*w.batch.members.values(), *w.prefill_q, *w.restoring]
+            for r in running:
+                r.durable = coord.durable_at(r, now)
+            for r in sorted(w.evict(now), key=lambda r: r.rid):
+                self._interrupt(r)
+                if not coord.recover(r, w, now):
+                    self._wait(r, now)
+        for wid in sorted(verdict.restore):
+            w = coord.by_id[wid]
+            coord.set_state(w, S.HEALTHY)
+            w.degraded_at = w.per_token_at = None
 
     # -- engine callbacks (EngineHost) --------------------------------------------------------------
     def on_prefilled(self, r: SimRequest, now: float) -> None:
@@ -291,6 +330,7 @@ class Simulation:
             draft_k_mean=sum(ks) / len(ks) if ks else None,
             pairings=len(ks),
             events=events,
+            degradations=self.degradations,
         )
         return RunResult.collect(
             self.requests, self.failures, self.now, [w.id for w in self.workers], self.samples, stats

@@ -70,6 +70,10 @@ class SimWorker:
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
         self.slow = 1.0
+        # the gateway's measurement of its time per token (gray failures), and when it was degraded
+        self.per_token_s = 0.0
+        self.per_token_at: float | None = None
+        self.degraded_at: float | None = None
         # plan version: a STEP event for an older plan is stale; never reset, so events of a dead
         # incarnation can never match a plan of the next one
         self.version = 0
@@ -258,6 +262,35 @@ class SimWorker:
             n = self.run.steps_within((t - self.seg_start) / self.slow, self.seg_steps)
             return self.k + n, self.seg_start + self.run.time(n) * self.slow
         return self.k, self.seg_start
+
+    def measure(self, now: float) -> None:
+        """What the gateway measures on this worker's streams: the time per token of its current decode
+        run (step time over tokens per step), if it is decoding."""
+        if not self.alive or self.busy != DECODE or self.run is None or self.seg_steps <= 0:
+            return
+        step = self.run.time(self.seg_steps) / self.seg_steps * self.slow
+        self.per_token_s = step / max(1e-9, self.batch.e)
+        self.per_token_at = now
+
+    def evict(self, now: float) -> list[SimRequest]:
+        """Every request leaves this (live) worker to resume elsewhere; its KV here is freed. Returns
+        them, with client progress set, as `kill` does; the worker stays up, idle, as slow as it was."""
+        k, began = self.step_at(now)
+        out: list[SimRequest] = []
+        for r in self.batch.members.values():
+            r.emitted = min(r.output - 1, int(self.batch.emitted_at(r, k) + 1e-9))
+            if k > r.k_join:
+                r.last_token = began
+            out.append(r)
+        out.extend(self.prefill_q)
+        out.extend(sorted(self.restoring, key=lambda r: r.rid))
+        out.extend(self.waiting)
+        slow, pending = self.slow, self.pending_slow
+        self.version += 1  # the current plan's STEP event is stale now
+        self._reset_engine()
+        self.slow, self.pending_slow = slow, pending
+        self.mark_dirty()
+        return out
 
     def kill(self, now: float) -> list[SimRequest]:
         """The worker dies: every request on it loses its KV. Returns them, with client progress set."""

@@ -15,6 +15,7 @@ GRAY = {
     "recovery.tau": 0,
     "gray.window_s": 1.0,
     "gray.probation_s": 3.0,
+    "gray.enabled": True,
 }
 
 

@@ -94,7 +94,9 @@ def test_only_healthy_workers_are_routed_to() -> None:
 
 
 @given(workers(min_size=1), params)
-def test_new_requests_are_routed_by_queue_unless_checkpoint_aware(ws: list[WorkerView], p: LoadParams) -> None:
+def test_new_requests_are_routed_by_queue_unless_checkpoint_aware(
+    ws: list[WorkerView], p: LoadParams
+) -> None:
     view = ClusterView.of(ws)
     chosen = choose_worker(view, routing_params(p))
     serving = [w for w in ws if w.state is WorkerState.HEALTHY]

@@ -27,7 +27,12 @@ IO_LIBS = {
 
 # the worker side may use the wire schemas and the pure models it shares with the gateway: the cost
 # model, the Phase enum, and the speculation math (adaptive k) its target loop runs
-ALLOWED_ON_WORKERS = ("gateway.protocol", "gateway.core.costmodel", "gateway.core.health", "gateway.core.speculation")
+ALLOWED_ON_WORKERS = (
+    "gateway.protocol",
+    "gateway.core.costmodel",
+    "gateway.core.health",
+    "gateway.core.speculation",
+)
 
 
 def imports_of(path: Path) -> set[str]:
@@ -78,8 +83,6 @@ def test_server_and_sim_do_not_import_each_other_or_heavy_libs(path: Path) -> No
 def test_worker_side_uses_only_protocol_and_cost_model(path: Path) -> None:
     for imp in imports_of(path):
         if imp.startswith("gateway."):
-            assert imp.startswith(ALLOWED_ON_WORKERS), (
-                f"{path}: worker side imports {imp}"
-            )
+            assert imp.startswith(ALLOWED_ON_WORKERS), f"{path}: worker side imports {imp}"
         if "draft_models" in path.parts:
             assert not imp.startswith("gateway.server"), f"{path} imports {imp}"

@@ -147,3 +147,23 @@ def test_draft_assist_with_drafter_latency_helps_less() -> None:
     fast = run("lumen", reqs, **fail).records[1].last_token
     slow = run("lumen", reqs, draft={"drafter_latency": True}, **fail).records[1].last_token
     assert fast is not None and slow is not None and fast < slow
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_gray_failure_degrades_the_slow_worker_and_moves_its_requests_when_enabled(enabled: bool) -> None:
+    # 4 workers, 40 long requests spread over them; w0 becomes 20x slower at 2 s
+    reqs = [(0.05 * i, 500, 400) for i in range(40)]
+    res = run(
+        "lumen",
+        reqs,
+        cluster={"workers": 4},
+        gray={"enabled": enabled, "window_s": 2.0, "probation_s": 600.0},
+        failures=[{"at_s": 2.0, "kind": "slow", "workers": ["w0"], "slowdown": 20.0}],
+    )
+    assert not any(r.error for r in res.records)
+    moved = sum(1 for r in res.records if r.interrupted)
+    if enabled:
+        assert res.stats.degradations == 1 and moved > 0
+        assert res.stats.restores + res.stats.replays == moved
+    else:
+        assert res.stats.degradations == 0 and moved == 0
