@@ -1,0 +1,38 @@
+"""`lumen loadtest` end to end (the interface contract of issue 7): a short side-by-side run against
+real local clusters writes summary.json with the same per-mode keys as `lumen sim`, a Markdown table
+and the timelines, and no mode but `none` shows a client error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SIM_KEYS = {
+    "ttft_mean_s",
+    "tpot_mean_s",
+    "recovery_time_s",
+    "impact_ttft_mean_s",
+    "impact_tpot_mean_s",
+    "client_errors",
+}
+
+
+def test_loadtest_writes_the_sim_contract(tmp_path: Path) -> None:
+    out = tmp_path / "lt"
+    cmd = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", "paper-4w", "--out", str(out)]
+    cmd += ["--modes", "none,lumen", "--duration", "6", "--rate", "6", "--kill-at", "2.5"]
+    cmd += ["--model-load-s", "2", "--max-running", "8", "--set", "engine.page_size=16", "--poll", "0.5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"workers", "simulated_s", "wall_s", "seed"} <= set(summary)
+    assert set(summary["modes"]) == {"none", "lumen"}
+    for mode, row in summary["modes"].items():
+        assert SIM_KEYS <= set(row), (mode, sorted(row))
+        assert row["requests"] > 0 and row["faults"], row
+    assert summary["modes"]["lumen"]["client_errors"] == 0
+    table = (out / "summary.md").read_text()
+    assert "| lumen |" in table and "| none |" in table
+    assert (out / "timeline.png").stat().st_size > 0
