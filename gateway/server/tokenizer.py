@@ -9,7 +9,6 @@ turns a dangling remainder into U+FFFD.
 
 from __future__ import annotations
 
-import codecs
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from gateway.protocol import bytevocab
 from gateway.server.config import ConfigError, TokenizerSection
 
 
@@ -64,27 +64,14 @@ class Tokenizer(Protocol):
 # --------------------------------------------------------------------------------------------------
 # byte tokenizer (synthetic models)
 
-BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
-_BYTE_SPECIALS = {"<|bos|>": BOS_ID, "<|eos|>": EOS_ID, "<|pad|>": PAD_ID}
-
-
-class _Utf8Decoder:
-    def __init__(self) -> None:
-        # "replace" only affects bytes that can never become valid; an incomplete tail stays buffered
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def step(self, ids: Sequence[int]) -> str:
-        return self._dec.decode(bytes(i for i in ids if 0 <= i < 256))
-
-    def finish(self) -> str:
-        return self._dec.decode(b"", final=True)
+EOS_ID = bytevocab.EOS_ID
 
 
 class ByteTokenizer:
     """Ids 0..255 are bytes; 256 <|bos|>, 257 <|eos|>, 258 <|pad|>. Special-token text encodes to its id."""
 
     name = "byte"
-    vocab_size = 259
+    vocab_size = bytevocab.VOCAB_SIZE
     eos_token_ids: tuple[int, ...] = (EOS_ID,)
     eos_token_id: int | None = EOS_ID
     bos_token: str | None = "<|bos|>"
@@ -92,31 +79,13 @@ class ByteTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         # add_special_tokens is accepted for the protocol; synthetic models take no BOS
-        ids: list[int] = []
-        rest = text
-        while rest:
-            cut, special = _first_special(rest)
-            ids.extend(rest[:cut].encode("utf-8"))
-            if special is None:
-                break
-            ids.append(_BYTE_SPECIALS[special])
-            rest = rest[cut + len(special) :]
-        return ids
+        return bytevocab.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return bytevocab.decode(ids)
 
     def incremental_decoder(self) -> IncrementalDecoder:
-        return _Utf8Decoder()
-
-
-def _first_special(text: str) -> tuple[int, str | None]:
-    best: tuple[int, str | None] = (len(text), None)
-    for tok in _BYTE_SPECIALS:
-        at = text.find(tok)
-        if 0 <= at < best[0]:
-            best = (at, tok)
-    return best
+        return bytevocab.Utf8Stream()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,11 +14,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.protocol import bytevocab
 from gateway.protocol.generate import SamplingParams
 from gateway.protocol.launch import EngineSpec
 from gateway.server.chat_template import ChatMessage, ChatTemplate
 from gateway.server.tokenizer import ByteTokenizer
-from worker_hooks.engine.openai_compat import TextStream, encode_text, render_chat
+from worker_hooks.engine.openai_compat import render_chat
 from worker_hooks.engine.synthetic import expected_output
 from worker_hooks.engine.worker import Worker, start_worker
 
@@ -102,7 +103,7 @@ def text_of(ids: list[int]) -> str:
 
 @pytest.mark.parametrize("text", ["", "plain ascii", "héllo ✓ 𝄞", "<|bos|>a<|eos|><|pad|>b<|eos", "<|eos|>"])
 def test_text_encodes_as_the_gateways_byte_tokenizer(text: str) -> None:
-    assert encode_text(text) == ByteTokenizer().encode(text)
+    assert bytevocab.encode(text) == ByteTokenizer().encode(text)
 
 
 def test_chat_renders_as_the_gateways_default_template() -> None:
@@ -113,11 +114,11 @@ def test_chat_renders_as_the_gateways_default_template() -> None:
 
 def test_streamed_text_never_splits_a_character() -> None:
     data = "a é ✓ 𝄞".encode()
-    ts = TextStream()
+    ts = bytevocab.Utf8Stream()
     pieces = [ts.step([b]) for b in data] + [ts.step([257]), ts.finish()]
     assert "".join(pieces) == "a é ✓ 𝄞"
     assert all(p.isprintable() for p in pieces)  # no U+FFFD from a half character
-    ts = TextStream()
+    ts = bytevocab.Utf8Stream()
     assert ts.step(list("é".encode())[:1]) == "" and ts.finish() == "\ufffd"
 
 

@@ -6,9 +6,9 @@ worker's own /generate path: the request becomes a `GenerateRequest` for `Engine
 emissions are read in order (one SSE event per engine step, whatever else is already queued coalesced
 into one write), and a client that goes away aborts the request in the engine, as /generate does.
 
-Text: the synthetic model's vocabulary is the byte tokenizer's (ids 0..255 are bytes, 256..258 the
-specials `<|bos|>`, `<|eos|>`, `<|pad|>`; `gateway.server.tokenizer.ByteTokenizer`, which the worker may
-not import). Text prompts are encoded as the gateway encodes them, so a text prompt reaches the engine
+Text: the synthetic model's vocabulary is the byte vocabulary (`gateway.protocol.bytevocab`, which
+the gateway's `ByteTokenizer` uses too: ids 0..255 are bytes, 256..258 the specials). Text prompts
+are encoded as the gateway encodes them, so a text prompt reaches the engine
 with the same ids it would have through Lumen's gateway; output ids decode as UTF-8, incrementally
 while streaming (a multi-byte character is never split across chunks). Chat messages are rendered
 with the gateway's default chat template (`<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`).
@@ -25,7 +25,6 @@ aborts ends with one `data: {"error": ...}` event and no `data: [DONE]`, as Lume
 
 from __future__ import annotations
 
-import codecs
 import math
 import time
 import uuid
@@ -37,6 +36,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from gateway.protocol import bytevocab
 from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.engine.errors import EngineError, PromptTooLong
@@ -48,10 +48,6 @@ log = structlog.get_logger(__name__)
 
 Json = dict[str, Any]
 
-# the byte tokenizer (gateway.server.tokenizer.ByteTokenizer)
-BYTE_VOCAB = 259
-BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
-_SPECIALS = {"<|bos|>": BOS_ID, "<|eos|>": EOS_ID, "<|pad|>": PAD_ID}
 ROLES = ("system", "user", "assistant", "tool")
 
 DEFAULT_MAX_TOKENS_COMPLETIONS = 16
@@ -86,38 +82,7 @@ class OpenAIError(Exception):
         return json_response(self.body, status=self.status)
 
 
-# -- byte tokenizer ------------------------------------------------------------------------------------
-
-
-def encode_text(text: str) -> list[int]:
-    """UTF-8 bytes, with the specials' text (`<|eos|>`, ...) as their ids: ByteTokenizer.encode."""
-    ids: list[int] = []
-    rest = text
-    while rest:
-        cut, special = len(rest), ""
-        for tok in _SPECIALS:
-            at = rest.find(tok)
-            if 0 <= at < cut:
-                cut, special = at, tok
-        ids.extend(rest[:cut].encode("utf-8"))
-        if not special:
-            break
-        ids.append(_SPECIALS[special])
-        rest = rest[cut + len(special) :]
-    return ids
-
-
-class TextStream:
-    """Output ids to text; incomplete UTF-8 is held until it completes, specials are skipped."""
-
-    def __init__(self) -> None:
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def step(self, ids: list[int]) -> str:
-        return self._dec.decode(bytes(i for i in ids if 0 <= i < 256))
-
-    def finish(self) -> str:
-        return self._dec.decode(b"", final=True)
+# -- chat ----------------------------------------------------------------------------------------------
 
 
 def render_chat(messages: list[tuple[str, str]]) -> str:
@@ -267,7 +232,7 @@ def _common(
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise f.fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
     if not ignore_eos:  # the request's own stop ids hold even with ignore_eos
-        stop_ids = [EOS_ID, *(t for t in stop_ids if t != EOS_ID)]
+        stop_ids = [bytevocab.EOS_ID, *(t for t in stop_ids if t != bytevocab.EOS_ID)]
     v = f.get("seed")
     if v is not None and (not _is_int(v) or not SEED_MIN <= v <= SEED_MAX):
         raise f.fail("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}], got {v!r}")
@@ -294,7 +259,7 @@ def parse_completion(body: Json, spec: EngineSpec) -> OpenAIRequest:
             raise f.fail("prompt", f"must hold one prompt; batches ({len(prompt)}) are not supported")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = encode_text(prompt)
+        ids = bytevocab.encode(prompt)
     elif isinstance(prompt, list):
         ids = _Fields({"prompt": prompt}).token_ids("prompt", spec.vocab_size)
     elif prompt is None:
@@ -321,7 +286,7 @@ def parse_chat(body: Json, spec: EngineSpec) -> OpenAIRequest:
     if not items:
         raise f.fail("messages", "must not be empty")
     messages = [_message(m, f"messages[{i}]") for i, m in enumerate(items)]
-    ids = encode_text(render_chat(messages))
+    ids = bytevocab.encode(render_chat(messages))
     return _common(f, spec, ids, ("max_tokens", "max_completion_tokens"), DEFAULT_MAX_TOKENS_CHAT)
 
 
@@ -450,10 +415,10 @@ async def _serve(
     engine = worker.engine
     rid = f"{prefix}-{uuid.uuid4().hex}"
     try:
-        if worker.spec.vocab_size != BYTE_VOCAB:
+        if worker.spec.vocab_size != bytevocab.VOCAB_SIZE:
             raise OpenAIError(
                 f"this worker has no tokenizer for its vocabulary ({worker.spec.vocab_size} ids; only the "
-                f"byte vocabulary of {BYTE_VOCAB} has one here): use /generate with token ids",
+                f"byte vocabulary of {bytevocab.VOCAB_SIZE} has one here): use /generate with token ids",
                 status=501,
                 type="not_implemented",
                 code="no_tokenizer",
@@ -487,7 +452,7 @@ async def _serve(
 
 async def _stream(request: web.Request, handle: RequestHandle, fmt: _Format) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
-    text = TextStream()
+    text = bytevocab.Utf8Stream()
     try:
         await resp.prepare(request)
         while True:
@@ -527,7 +492,7 @@ async def _unary(handle: RequestHandle, fmt: _Format) -> web.Response:
             return err.response()
         output.extend(e.new_ids)
         if e.finish is not None:
-            text = TextStream()
+            text = bytevocab.Utf8Stream()
             body = fmt.response(
                 text.step(output) + text.finish(), e.finish.type, _usage(handle, e.completion_tokens)
             )
