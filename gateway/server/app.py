@@ -148,6 +148,9 @@ class Gateway:
             period = 5 * self.config.health.heartbeat_interval_ms / 1000
             self._assist_task = asyncio.create_task(self.assist.run(period), name="draft-assist")
         if self.config.gray.enabled:
+            gr = self.config.gray
+            self.monitor.token_half_life_s, self.monitor.token_min = gr.half_life_s, gr.min_tokens
+            self.monitor.measure_tokens = True  # sessions measure each worker's time per token
             self._gray_task = asyncio.create_task(self._watch_gray(), name="gray-failures")
         app = self.build_app()
         self._runner = web.AppRunner(
@@ -173,7 +176,6 @@ class Gateway:
         their running requests resume elsewhere, restoring on their holders where they can."""
         gr = self.config.gray
         params = gr.params()
-        self.monitor.token_half_life_s, self.monitor.token_min = gr.half_life_s, gr.min_tokens
         migrate = gr.migrate and self.policy.failover
         while True:
             await asyncio.sleep(gr.check_interval_s)

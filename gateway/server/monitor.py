@@ -187,7 +187,8 @@ class LoadMonitor:
         self._became_healthy = asyncio.Event()
         self._last_tick: float | None = None
         self.on_state_change: list[Callable[[StateEvent], None]] = []
-        # how the time per token of each worker is measured (gray failures; see observe_tokens)
+        # whether sessions measure each worker's time per token (gray failures; see observe_tokens)
+        self.measure_tokens = False
         self.token_half_life_s = 2.0
         self.token_min = 32
         # the ClusterView last made by view(), and the records changed since (see WorkerRecord)
@@ -397,9 +398,7 @@ class LoadMonitor:
             if not migrate:
                 continue
             # its streams end here and resume elsewhere through recovery dispatch
-            watchers, rec.watchers = rec.watchers, {}
-            for cb in watchers.values():
-                cb(f"degraded: worker {wid} is serving far slower than its peers")
+            self._notify_watchers(rec, f"degraded: worker {wid} is serving far slower than its peers")
         for wid in sorted(verdict.restore):
             rec = self.workers[wid]
             self._set(rec, WorkerState.HEALTHY, "gray: back near its peers' speed, or probation over")
@@ -442,6 +441,11 @@ class LoadMonitor:
         rec.failed_at = self.clock()
         self._set(rec, WorkerState.FAILED, reason)
         rec.fence.set()
+        self._notify_watchers(rec, reason)
+
+    @staticmethod
+    def _notify_watchers(rec: WorkerRecord, reason: str) -> None:
+        """Tell every stream watching this incarnation, once."""
         watchers, rec.watchers = rec.watchers, {}
         for cb in watchers.values():
             cb(reason)

@@ -260,7 +260,7 @@ class SessionManager:
                         continue
                     if ids:
                         now = self._on_tokens(s, worker, len(ids), chunk.meta_info.restored_tokens)
-                        if prev_chunk_at is not None:  # decode speed, for gray-failure verdicts
+                        if prev_chunk_at is not None and self.monitor.measure_tokens:  # gray failures
                             self.monitor.observe_tokens(
                                 worker.id, worker.incarnation, len(ids), now - prev_chunk_at
                             )

@@ -162,9 +162,8 @@ class TraceRecorder:
             )
 
         def release_w(r: SimRequest) -> None:
-            ended = r.done and r.holders is not None
             release(r)
-            if ended:
+            if r.done:  # the request ended (a new attempt's release is part of its Attempt)
                 events.append(Release(self._now, r.rid))
 
         def freeze_w(w: SimWorker) -> None:

@@ -275,6 +275,16 @@ class SimWorker:
     def evict(self, now: float) -> list[SimRequest]:
         """Every request leaves this (live) worker to resume elsewhere; its KV here is freed. Returns
         them, with client progress set, as `kill` does; the worker stays up, idle, as slow as it was."""
+        out = self._take_all(now)
+        slow, pending = self.slow, self.pending_slow
+        self.version += 1  # the current plan's STEP event is stale now
+        self._reset_engine()
+        self.slow, self.pending_slow = slow, pending
+        self.mark_dirty()
+        return out
+
+    def _take_all(self, now: float) -> list[SimRequest]:
+        """Every request on the worker, with the client's progress set from the steps done by `now`."""
         k, began = self.step_at(now)
         out: list[SimRequest] = []
         for r in self.batch.members.values():
@@ -285,25 +295,11 @@ class SimWorker:
         out.extend(self.prefill_q)
         out.extend(sorted(self.restoring, key=lambda r: r.rid))
         out.extend(self.waiting)
-        slow, pending = self.slow, self.pending_slow
-        self.version += 1  # the current plan's STEP event is stale now
-        self._reset_engine()
-        self.slow, self.pending_slow = slow, pending
-        self.mark_dirty()
         return out
 
     def kill(self, now: float) -> list[SimRequest]:
         """The worker dies: every request on it loses its KV. Returns them, with client progress set."""
-        k, began = self.step_at(now)
-        lost: list[SimRequest] = []
-        for r in self.batch.members.values():
-            r.emitted = min(r.output - 1, int(self.batch.emitted_at(r, k) + 1e-9))
-            if k > r.k_join:
-                r.last_token = began
-            lost.append(r)
-        lost.extend(self.prefill_q)
-        lost.extend(sorted(self.restoring, key=lambda r: r.rid))
-        lost.extend(self.waiting)
+        lost = self._take_all(now)
         self.alive = False
         self.mark_dirty()
         self.lost = lost
