@@ -51,6 +51,14 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft_k_min: int = 1
     draft_k_max: int = 8
     draft_timeout_ms: int = 30
+    # backend "torch" (worker_hooks/engine/torch_backend.py): a preset name (random weights from
+    # model_seed) or a HuggingFace folder (config.json + *.safetensors); the drafter's model is another
+    # preset or folder, or "self:N" (the target's first N layers); "" = no drafter
+    torch_model: str = "tiny"
+    torch_draft: str = "tiny-draft"
+    torch_dtype: str = "float32"
+    torch_device: str = "cpu"
+    torch_threads: int = 1  # intra-op threads of this worker process (0: torch's default)
     log_level: str = "info"
 
 

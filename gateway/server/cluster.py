@@ -100,6 +100,11 @@ def worker_specs(config: Config, control_address: str, token_range: tuple[int, i
             draft_k_min=config.draft.k_min,
             draft_k_max=config.draft.k_max,
             draft_timeout_ms=config.draft.draft_timeout_ms,
+            torch_model=config.torch.model,
+            torch_draft=config.torch.draft,
+            torch_dtype=config.torch.dtype,
+            torch_device=config.torch.device,
+            torch_threads=config.torch.threads,
             log_level=config.gateway.log_level,
         )
         for i in range(cl.workers)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -89,6 +90,18 @@ class EngineSection:
     model_load_s: float = -1.0  # < 0: from the cost model (weights / load bandwidth + start-up)
     draft_load_s: float = -1.0  # restart: draft model load time; < 0: from the cost model
     model_seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TorchSection:
+    """The torch backend's model (engine.backend = "torch"); [model] still names the cost-model preset
+    the gateway estimates load with."""
+
+    model: str = "tiny"  # a preset (tiny, tiny-llama, qwen3-8b, ...: random weights) or a HF folder
+    draft: str = "tiny-draft"  # a preset, a HF folder, "self:N" (the target's first N layers) or ""
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    threads: int = 1  # intra-op threads per worker process (0: torch's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +218,7 @@ class Config:
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
+    torch: TorchSection = field(default_factory=TorchSection)
     health: HealthSection = field(default_factory=HealthSection)
     load: LoadSection = field(default_factory=LoadSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -423,6 +437,22 @@ def validate(cfg: Config) -> None:
         "must be >= engine.page_size",
     )
     _check(e.kv_capacity_tokens >= 0, "engine.kv_capacity_tokens", e.kv_capacity_tokens, "must be >= 0")
+    tc = cfg.torch
+    _choice("torch.dtype", tc.dtype, ("float32", "bfloat16", "float16"))
+    _check(
+        tc.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", tc.device) is not None,
+        "torch.device",
+        tc.device,
+        "must be cpu, cuda or cuda:N",
+    )
+    _check(tc.threads >= 0, "torch.threads", tc.threads, "must be >= 0")
+    _check(bool(tc.model), "torch.model", tc.model, "a preset name or a model folder is required")
+    for key, name in (("torch.model", tc.model), ("torch.draft", tc.draft)):
+        if "/" in name or name.startswith("."):
+            _check(Path(name, "config.json").is_file(), key, name, "no config.json in this folder")
+    if tc.draft.startswith("self:"):
+        n = tc.draft.removeprefix("self:")
+        _check(n.isdigit() and int(n) >= 1, "torch.draft", tc.draft, "self:N needs N >= 1 layers")
 
     h = cfg.health
     _check(

@@ -7,8 +7,10 @@ bytes, so the store's real budget is scaled the same way. Orphans (writer gone w
 expire on an owned timer. A worker with a zero budget runs no store and advertises no endpoint.
 
 Serving side: one `CheckpointSender` per incarnation. After each engine step `after_step` hands every
-page a tracked request completed to `send_pages`, with its token ids and synthetic bytes (a pure
-function of the page key, as real KV is of its prefix). Only full pages whose KV exists are sent:
+page a tracked request completed to `send_pages`, with its token ids and its bytes: synthetic ones (a
+pure function of the page key, as real KV is of its prefix), or, with a real model (`pages`, the
+torch backend), the KV itself read out of the paged cache; then bytes are real and budgets are in real
+bytes. Only full pages whose KV exists are sent:
 the last emitted token's KV is computed by the next step, so when a request finishes its holders
 hold floor((prompt + output − 1) / page_size) pages. Aborts keep the pages (the gateway may resume
 from them); only an explicit drop discards them.
@@ -20,6 +22,7 @@ import asyncio
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import structlog
@@ -72,6 +75,14 @@ class PageBytes:
         return out.data
 
 
+class PageSource(Protocol):
+    """Real KV pages: `page_nbytes` per page, `export` a request's pages [first, end) as one buffer."""
+
+    page_nbytes: int
+
+    def export(self, seq: Seq, first: int, end: int) -> memoryview: ...
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointStats:
     """Bytes in modelled units (what the full-size KV would take)."""
@@ -97,20 +108,27 @@ class _Stream:
 
 
 class Checkpointer:
-    def __init__(self, spec: EngineSpec, worker_id: str, model: ModelSpec) -> None:
+    def __init__(
+        self, spec: EngineSpec, worker_id: str, model: ModelSpec, *, pages: PageSource | None = None
+    ) -> None:
         self.worker_id = worker_id
         self.page_size = spec.page_size
-        self.page_nbytes = model_page_nbytes(model, spec.page_size, spec.ckpt_payload_scale)
+        self._source = pages
+        if pages is not None:
+            self.page_nbytes = pages.page_nbytes
+            modelled_page = pages.page_nbytes  # real KV: modelled bytes are real bytes
+        else:
+            self.page_nbytes = model_page_nbytes(model, spec.page_size, spec.ckpt_payload_scale)
+            modelled_page = spec.page_size * model.kv_bytes_per_token
         self._page_bytes = PageBytes(self.page_nbytes)
-        modelled_page = spec.page_size * model.kv_bytes_per_token
         # real bytes -> modelled bytes, exact for pages of this model
         self._modelled = modelled_page / self.page_nbytes
         self.budget_bytes = spec.ckpt_budget_bytes
         self.store: CheckpointStore | None = None
         if spec.ckpt_budget_bytes > 0:
             # whole pages first, so a budget of n modelled pages holds n real ones despite rounding
-            pages, rest = divmod(spec.ckpt_budget_bytes, modelled_page)
-            real = pages * self.page_nbytes + int(rest / self._modelled)
+            whole, rest = divmod(spec.ckpt_budget_bytes, modelled_page)
+            real = whole * self.page_nbytes + int(rest / self._modelled)
             self.store = CheckpointStore(real, spec.ckpt_eviction, spec.ckpt_orphan_ttl_s)
         # frame and lag bounds are about this process's queues and sockets: real bytes
         self._frame_bytes = spec.ckpt_frame_bytes
@@ -201,6 +219,18 @@ class Checkpointer:
         tokens, _ = self.store.longest_prefix(input_ids[:limit], ps)
         return tokens
 
+    def restore(self, input_ids: list[int]) -> tuple[int, bytes | None]:
+        """`restorable` with the pages' bytes, copied out of the store (an eviction after this
+        cannot take them); (0, None) when nothing is restorable."""
+        ps = self.page_size
+        limit = (len(input_ids) - 1) // ps * ps
+        if self.store is None or limit <= 0 or not self.store.bytes_used:
+            return 0, None
+        tokens, pages = self.store.longest_prefix(input_ids[:limit], ps)
+        if not tokens:
+            return 0, None
+        return tokens, b"".join(pages)
+
     # -- streaming (serving side) -----------------------------------------------------------------
     def admitted(self, seq: Seq, holders: Iterable[str]) -> None:
         """A request was accepted: count its restore, and stream its full pages (restored ones
@@ -231,7 +261,10 @@ class Checkpointer:
         prior = st.last_key if first == st.sent else None  # a re-send starts at page 0
         ids = st.seq.context(first * ps, end * ps)
         keys = page_keys(ids, ps, prior)
-        payload = self._page_bytes.of(keys)
+        if self._source is not None:
+            payload = self._source.export(st.seq, first, end)
+        else:
+            payload = self._page_bytes.of(keys)
         try:
             sender.send_pages(st.seq.rid, holders, first, ids, payload, page_size=ps)
         except ValueError as exc:  # an endpoint zmq will not connect to

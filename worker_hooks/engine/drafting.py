@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
-from draft_models.drafter import DrafterServer
+from draft_models.drafter import DrafterServer, DraftModel
 from draft_models.synthetic import DraftState, Proposal, SyntheticDrafter
 from gateway.core.costmodel import CostModel
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.engine.synthetic import Sampler
+
+if TYPE_CHECKING:
+    from draft_models.torch_drafter import TorchDrafter
+    from worker_hooks.engine.torch_model import CausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -37,7 +42,7 @@ QUIET_POLL_S = 0.005
 class _LoadingGate:
     """The draft model behind a switch: contexts are tracked from the start, drafts only once loaded."""
 
-    def __init__(self, model: SyntheticDrafter) -> None:
+    def __init__(self, model: DraftModel) -> None:
         self.model = model
         self.loaded = False
 
@@ -57,12 +62,22 @@ class DrafterRole:
     def __init__(self, spec: EngineSpec, worker_id: str) -> None:
         self.worker_id = worker_id
         self.cost = CostModel.preset(spec.draft_model, spec.gpu)
-        # the same model seed and token range as the target, so agreeing drafts are the target's tokens
-        drafter = SyntheticDrafter(
-            spec.draft_agreement, model_seed=spec.model_seed, token_lo=spec.token_lo, token_hi=spec.token_hi
-        )
+        drafter: DraftModel
+        time_scale = spec.time_scale
+        if spec.backend == "torch":
+            from draft_models.torch_drafter import TorchDrafter  # torch only where it is used
+
+            # its model arrives with set_model; a real model takes real time, nothing is modelled
+            self.torch_drafter: TorchDrafter | None = TorchDrafter()
+            drafter, time_scale = self.torch_drafter, 0.0
+        else:
+            # the same model seed and token range as the target: agreeing drafts are the target's tokens
+            self.torch_drafter = None
+            drafter = SyntheticDrafter(
+                spec.draft_agreement, model_seed=spec.model_seed, token_lo=spec.token_lo, token_hi=spec.token_hi
+            )
         self._gate = _LoadingGate(drafter)
-        self._server = DrafterServer(self._gate, DRAFT_BIND, cost=self.cost, time_scale=spec.time_scale)
+        self._server = DrafterServer(self._gate, DRAFT_BIND, cost=self.cost, time_scale=time_scale)
         self.quiet_s = max(0.02, spec.draft_timeout_ms / 1000.0)
         self.endpoint = ""  # "" before start and after retirement
         self.peers: set[str] = set()  # targets the gateway paired us with
@@ -79,6 +94,11 @@ class DrafterRole:
 
     async def start(self) -> None:
         self.endpoint = await self._server.start()
+
+    def set_model(self, model: CausalLM | None) -> None:
+        """The torch backend's draft model, once loaded (before `set_ready`)."""
+        if self.torch_drafter is not None:
+            self.torch_drafter.model = model
 
     def set_ready(self) -> None:
         """The draft model is loaded: answer rounds with drafts from now on."""

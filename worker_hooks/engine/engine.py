@@ -11,6 +11,11 @@ drafts and pays for verifying them.
 
 A restart walks its load plan (loading.py). The switch to SERVING is one assignment in the load task,
 so the first request after it is admitted by the next step with no load wait left.
+
+With `backend = "torch"` the steps are real: the scheduler plans on the loop, the forward runs on the
+backend's step thread (torch_backend.py), nothing is modelled and a step takes what it takes (a slow
+fault adds `slowdown - 1` times that). Loading is real too, and the load plan's times become minimums:
+a restart loads the draft model before DRAFT_READY and the full model before SERVING.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.core.costmodel import CostModel
+from gateway.core.costmodel import CostModel, StepWork
 from gateway.core.health import Phase
 from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
@@ -33,7 +39,7 @@ from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.loading import load_plan
 from worker_hooks.engine.pages import PagePool
-from worker_hooks.engine.scheduler import Drafts, Emission, Scheduler
+from worker_hooks.engine.scheduler import Drafts, Emission, Scheduler, Seq, StepResult
 from worker_hooks.engine.synthetic import SyntheticModel
 from worker_hooks.engine.validation import validate
 
@@ -43,6 +49,13 @@ log = structlog.get_logger(__name__)
 MAX_LAG_S = 0.005
 # the largest step-time multiplier a slow fault may set (beyond it, a stall is the better model)
 MAX_SLOWDOWN = 1000.0
+# the torch backend's KV pool when engine.kv_capacity_tokens is 0 (the cost model's figure is for the
+# modelled GPU, not for this process)
+TORCH_DEFAULT_KV_TOKENS = 32768
+
+if TYPE_CHECKING:
+    from worker_hooks.engine.torch_backend import TorchBackend
+    from worker_hooks.engine.torch_scheduler import TorchScheduler
 
 
 def now_us() -> int:
@@ -71,28 +84,37 @@ class EngineStats:
 
 class Engine:
     def __init__(self, spec: EngineSpec, worker_id: str | None = None) -> None:
-        if spec.backend != "synthetic":
-            raise ValueError(f"backend {spec.backend!r} is not available in this engine (only 'synthetic')")
+        if spec.backend not in ("synthetic", "torch"):
+            raise ValueError(f"backend {spec.backend!r} is not available (synthetic | torch)")
         if spec.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {spec.time_scale}")
         self.spec = spec
         self.worker_id = worker_id or spec.worker_id
         self.cost = CostModel.preset(spec.model, spec.gpu, spec.tp or None)
-        capacity = spec.kv_capacity_tokens or self.cost.kv_capacity_tokens()
-        self.pool = PagePool(capacity, spec.page_size)
-        self.model = SyntheticModel(spec.model_seed, spec.token_lo, spec.token_hi)
-        self.scheduler = Scheduler(
-            self.model,
-            self.pool,
-            max_running=spec.max_running_requests,
-            chunked_prefill_size=spec.chunked_prefill_size,
-        )
+        batching = {
+            "max_running": spec.max_running_requests,
+            "chunked_prefill_size": spec.chunked_prefill_size,
+        }
+        self.torch: TorchBackend | None = None
+        self.scheduler: Scheduler | TorchScheduler
+        if spec.backend == "torch":
+            # imported here: a synthetic worker (and the gateway's tests) never load torch
+            from worker_hooks.engine.torch_backend import TorchBackend
+            from worker_hooks.engine.torch_scheduler import TorchScheduler
+
+            self.pool = PagePool(spec.kv_capacity_tokens or TORCH_DEFAULT_KV_TOKENS, spec.page_size)
+            self.torch = TorchBackend(spec, self.pool.capacity_tokens)
+            self.scheduler = TorchScheduler(self.pool, **batching)
+        else:
+            self.pool = PagePool(spec.kv_capacity_tokens or self.cost.kv_capacity_tokens(), spec.page_size)
+            model = SyntheticModel(spec.model_seed, spec.token_lo, spec.token_hi)
+            self.scheduler = Scheduler(model, self.pool, **batching)
         self.incarnation = now_us()
         self.load_plan = load_plan(spec, self.cost)
         self.phase = self.load_plan.first
         # a restarting worker with a draft model drafts for a survivor while its full model loads
         self.assist = Assist(spec, self.worker_id, self.cost, drafter=self.load_plan.drafts)
-        self.ckpt = Checkpointer(spec, self.worker_id, self.cost.model)
+        self.ckpt = Checkpointer(spec, self.worker_id, self.cost.model, pages=self.torch)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
         # fault injection (gray failure): a paused engine stops stepping while the agent keeps
@@ -115,6 +137,8 @@ class Engine:
     async def start(self) -> None:
         if self._loop_task is not None:
             raise RuntimeError("engine already started")
+        if self.torch is not None and not self.load_plan.changes:
+            await self.torch.load_target_async()  # a first start serves at once: load before that
         await self.ckpt.start(self.incarnation)
         await self.assist.start()  # a drafter binds now: Hello carries its endpoint from the first session
         self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.worker_id}")
@@ -160,6 +184,8 @@ class Engine:
             self._load_task = self._loop_task = None
             await self.assist.close()
             await self.ckpt.close()
+            if self.torch is not None:
+                self.torch.close()
 
     async def _load(self) -> None:
         """Walk the load plan; once serving, retire the drafter (after its pairs and rounds end)."""
@@ -167,6 +193,11 @@ class Engine:
         start = loop.time()
         log.info("loading model", worker_id=self.worker_id, plan=self.load_plan)
         for at, phase in self.load_plan.changes:
+            if self.torch is not None:  # real loads; the plan's times are minimums
+                if phase is Phase.DRAFT_READY and self.assist.drafter is not None:
+                    self.assist.drafter.set_model(await self.torch.load_draft_async())
+                elif phase is Phase.SERVING:
+                    await self.torch.load_target_async()
             await asyncio.sleep(max(0.0, start + at - loop.time()))
             if self.phase in (Phase.DRAINING, Phase.SERVING):
                 break  # drained while loading: stays so
@@ -208,10 +239,14 @@ class Engine:
         if self.phase is not Phase.SERVING:
             raise errors.NotServing(f"worker {self.worker_id} is {self.phase.value}")
         validate(req, self.spec.vocab_size)
-        restored = self.ckpt.restorable(req.input_ids)
-        seq = self.scheduler.make_seq(
-            req.rid, req.input_ids, req.sampling_params, ext.seed_base if ext else 0, restored
-        )
+        seed_base = ext.seed_base if ext else 0
+        seq: Seq
+        if not isinstance(self.scheduler, Scheduler):
+            restored, data = self.ckpt.restore(req.input_ids)  # real KV bytes, copied out now
+            seq = self.scheduler.make_seq(req.rid, req.input_ids, req.sampling_params, seed_base, restored, data)
+        else:
+            restored = self.ckpt.restorable(req.input_ids)
+            seq = self.scheduler.make_seq(req.rid, req.input_ids, req.sampling_params, seed_base, restored)
         if not self.scheduler.fits_ever(seq):
             raise errors.PromptTooLong(
                 f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
@@ -307,22 +342,27 @@ class Engine:
                 sp = self.assist.speculator
                 drafts: dict[str, Drafts] = await sp.collect() if sp is not None else {}  # <= draft_timeout
                 t0 = time.perf_counter()
-                result = self.scheduler.step(drafts)
+                if not isinstance(self.scheduler, Scheduler):
+                    result, t1 = await self._step_torch(drafts)
+                    t2 = time.perf_counter()
+                else:
+                    result = self.scheduler.step(drafts)
+                    if not result.empty:
+                        modelled = self.cost.step_time(result.work)
+                        if result.restored_tokens:
+                            modelled += self.cost.restore_time(result.restored_tokens)
+                        self.modelled_s_total += modelled
+                        deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale * self.slowdown
+                    t1 = time.perf_counter()
+                    delay = deadline - loop.time()
+                    await asyncio.sleep(delay if delay > 0 else 0)
+                    t2 = time.perf_counter()
                 if result.empty:
                     # defensive: nothing admissible and nothing running; wait for a submit or an abort
                     self._wake.clear()
                     await self._wake.wait()
                     continue
                 self.steps_total += 1
-                modelled = self.cost.step_time(result.work)
-                if result.restored_tokens:
-                    modelled += self.cost.restore_time(result.restored_tokens)
-                self.modelled_s_total += modelled
-                deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale * self.slowdown
-                t1 = time.perf_counter()
-                delay = deadline - loop.time()
-                await asyncio.sleep(delay if delay > 0 else 0)
-                t2 = time.perf_counter()
                 # the step's pages exist once it has run; its finished requests end after them
                 self.ckpt.after_step()
                 self._deliver(result.emissions)
@@ -339,6 +379,21 @@ class Engine:
             self.phase = Phase.DRAINING  # refuse new work: nothing would run it
             self.abort_all("engine error")
             raise
+
+    async def _step_torch(self, drafts: dict[str, Drafts]) -> tuple[StepResult, float]:
+        """One real step: (result, perf_counter at the end of the forward). A slow fault stretches
+        the step to `slowdown` x its real time after the forward."""
+        torch_backend, scheduler = self.torch, self.scheduler
+        assert torch_backend is not None and not isinstance(scheduler, Scheduler)
+        out = await torch_backend.step(scheduler, drafts)
+        if out is None:
+            return StepResult(StepWork(prefill=[], decode_contexts=[]), []), time.perf_counter()
+        result, seconds = out
+        self.modelled_s_total += seconds  # measured: the step thread's time
+        end = time.perf_counter()
+        if self.slowdown != 1.0:
+            await asyncio.sleep(seconds * (self.slowdown - 1.0))
+        return result, end
 
     def _deliver(self, emissions: list[Emission]) -> None:
         handles = self._handles

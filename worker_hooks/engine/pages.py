@@ -61,6 +61,17 @@ class PagePool:
         o = self._owners.get(owner)
         return len(o.pages) if o else 0
 
+    def pages_of(self, owner: str) -> list[int]:
+        """The live list of `owner`'s pages in context order (page j holds tokens [j·ps, (j+1)·ps)).
+
+        Read-only for callers. It grows with `grow_to`, and keeps its ids after `free` (so a finished
+        request's last pages can still be read out before the next step reuses them).
+        """
+        o = self._owners.get(owner)
+        if o is None:
+            raise PagePoolError(f"{owner!r} holds no pages")
+        return o.pages
+
     def can_allocate(self, n_pages: int) -> bool:
         return 0 <= n_pages <= self.available_pages
 

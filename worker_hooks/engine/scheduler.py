@@ -112,16 +112,15 @@ class StepResult:
         return not self.work.prefill and not self.work.decode_contexts
 
 
-class Scheduler:
-    def __init__(
-        self, model: SyntheticModel, pool: PagePool, *, max_running: int, chunked_prefill_size: int
-    ) -> None:
+class BatchScheduler:
+    """What every backend's scheduler shares: the queues, admission bookkeeping, aborts, emission."""
+
+    def __init__(self, pool: PagePool, *, max_running: int, chunked_prefill_size: int) -> None:
         if max_running < 1 or chunked_prefill_size < 1:
             raise ValueError(
                 f"need max_running >= 1 and chunked_prefill_size >= 1, got "
                 f"{max_running} and {chunked_prefill_size}"
             )
-        self.model = model
         self.pool = pool
         self.max_running = max_running
         self.chunked_prefill_size = chunked_prefill_size
@@ -131,25 +130,6 @@ class Scheduler:
         self.completed_total = 0
 
     # -- requests ---------------------------------------------------------------------------------
-    def make_seq(
-        self, rid: str, prompt: list[int], params: SamplingParams, seed_base: int = 0, restored: int = 0
-    ) -> Seq:
-        """`restored` prompt tokens start in context (at least the last prompt token is prefilled)."""
-        if restored < 0 or (restored and restored >= len(prompt)):
-            raise ValueError(f"restored prefix {restored} must lie in [0, {len(prompt)})")
-        return Seq(
-            rid=rid,
-            prompt=prompt,
-            params=params,
-            sampler=Sampler.from_params(params, seed_base),
-            stop_ids=frozenset(params.stop_token_ids),
-            reserve_pages=pages_for(len(prompt) + max(params.max_new_tokens, 0), self.pool.page_size),
-            state=self.model.absorb(self.model.initial_state(), prompt[:restored]),
-            seed_base=seed_base,
-            prefilled=restored,
-            restored=restored,
-        )
-
     def fits_ever(self, seq: Seq) -> bool:
         """Whether the request could be admitted into an otherwise empty engine."""
         return seq.reserve_pages <= self.pool.total_pages
@@ -192,6 +172,58 @@ class Scheduler:
     def decoding(self) -> list[Seq]:
         """The running requests whose next step decodes (their prompt is in context)."""
         return [s for s in self.running if not s.prefilling]
+
+    def _emit(self, seq: Seq, tokens: Sequence[int], emissions: list[Emission], finished: list[Seq]) -> None:
+        """Append `tokens` one by one, stopping at the first that finishes the request."""
+        new: list[int] = []
+        finish = None
+        for token in tokens:
+            seq.output.append(token)
+            self._absorb(seq, token)
+            new.append(token)
+            kind = finish_of(token, len(seq.output), seq.params, seq.stop_ids)
+            if kind == "length":
+                finish = FinishReason(type="length", length=seq.params.max_new_tokens)
+            elif kind == "stop":
+                finish = FinishReason(type="stop", matched=token)
+            if finish is not None:
+                break
+        self.pool.grow_to(seq.rid, pages_for(seq.context_len, self.pool.page_size))
+        emissions.append(Emission(seq.rid, new, len(seq.output), finish))
+        if finish is not None:
+            finished.append(seq)
+
+    def _absorb(self, seq: Seq, token: int) -> None:
+        """Fold an emitted token into the request's model state (the synthetic context hash)."""
+
+
+class Scheduler(BatchScheduler):
+    """The synthetic backend's scheduler: tokens come from the context hash (synthetic.py)."""
+
+    def __init__(
+        self, model: SyntheticModel, pool: PagePool, *, max_running: int, chunked_prefill_size: int
+    ) -> None:
+        super().__init__(pool, max_running=max_running, chunked_prefill_size=chunked_prefill_size)
+        self.model = model
+
+    def make_seq(
+        self, rid: str, prompt: list[int], params: SamplingParams, seed_base: int = 0, restored: int = 0
+    ) -> Seq:
+        """`restored` prompt tokens start in context (at least the last prompt token is prefilled)."""
+        if restored < 0 or (restored and restored >= len(prompt)):
+            raise ValueError(f"restored prefix {restored} must lie in [0, {len(prompt)})")
+        return Seq(
+            rid=rid,
+            prompt=prompt,
+            params=params,
+            sampler=Sampler.from_params(params, seed_base),
+            stop_ids=frozenset(params.stop_token_ids),
+            reserve_pages=pages_for(len(prompt) + max(params.max_new_tokens, 0), self.pool.page_size),
+            state=self.model.absorb(self.model.initial_state(), prompt[:restored]),
+            seed_base=seed_base,
+            prefilled=restored,
+            restored=restored,
+        )
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, drafts: Mapping[str, Drafts] | None = None) -> StepResult:
@@ -284,22 +316,5 @@ class Scheduler:
         verified.append(Verification(seq.rid, len(drafts), verdict.accepted))
         self._emit(seq, verdict.tokens, emissions, finished)
 
-    def _emit(self, seq: Seq, tokens: Sequence[int], emissions: list[Emission], finished: list[Seq]) -> None:
-        """Append `tokens` one by one, stopping at the first that finishes the request."""
-        new: list[int] = []
-        finish = None
-        for token in tokens:
-            seq.output.append(token)
-            seq.state = mix64(seq.state ^ token)
-            new.append(token)
-            kind = finish_of(token, len(seq.output), seq.params, seq.stop_ids)
-            if kind == "length":
-                finish = FinishReason(type="length", length=seq.params.max_new_tokens)
-            elif kind == "stop":
-                finish = FinishReason(type="stop", matched=token)
-            if finish is not None:
-                break
-        self.pool.grow_to(seq.rid, pages_for(seq.context_len, self.pool.page_size))
-        emissions.append(Emission(seq.rid, new, len(seq.output), finish))
-        if finish is not None:
-            finished.append(seq)
+    def _absorb(self, seq: Seq, token: int) -> None:
+        seq.state = mix64(seq.state ^ token)

@@ -53,7 +53,9 @@ class Sampler:
     @staticmethod
     def from_params(params: SamplingParams, seed_base: int = 0) -> Sampler:
         greedy = params.temperature <= GREEDY_TEMPERATURE or params.top_k == 1
-        top_k = params.top_k if 1 <= params.top_k < K_CANDIDATES else 0
+        # kept as given (the torch backend samples over a real vocabulary); over K candidates any
+        # top_k >= K is no cut at all
+        top_k = params.top_k if params.top_k >= 1 else 0
         return Sampler(
             greedy=greedy,
             temperature=params.temperature,
