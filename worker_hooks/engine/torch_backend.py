@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import structlog
 import torch
 
+from gateway.protocol.generate import SamplingParams
 from gateway.protocol.launch import EngineSpec
+from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Drafts, Seq, StepResult
 from worker_hooks.engine.torch_model import (
     CausalLM,
@@ -170,3 +172,38 @@ class TorchBackend:
         if self.model is None or self.cache is None:
             raise RuntimeError("the torch model is not loaded")
         return self.model, self.cache
+
+
+def expected_outputs(
+    requests: Sequence[tuple[list[int], SamplingParams, int]],
+    *,
+    model: str = "tiny",
+    model_seed: int = 0,
+    page_size: int = 16,
+    kv_tokens: int = 1 << 16,
+) -> list[list[int]]:
+    """Ground truth for tests: the ids a torch worker of this model produces for each
+    (prompt, sampling params, seed_base), run together in one uninterrupted local engine."""
+    spec = EngineSpec(
+        worker_id="reference",
+        control_address="",
+        backend="torch",
+        torch_model=model,
+        model_seed=model_seed,
+        page_size=page_size,
+        torch_threads=0,
+    )
+    pool = PagePool(kv_tokens, page_size)
+    backend = TorchBackend(spec, pool.capacity_tokens)
+    backend.load_target()
+    sched = TorchScheduler(pool, max_running=len(requests) or 1, chunked_prefill_size=8192)
+    for i, (prompt, params, seed_base) in enumerate(requests):
+        sched.add(sched.make_seq(str(i), prompt, params, seed_base))
+    outs: list[list[int]] = [[] for _ in requests]
+    while sched.has_work:
+        plan = sched.plan()
+        logits, _ = backend.run(plan)
+        for e in sched.commit(plan, logits).emissions:
+            outs[int(e.rid)].extend(e.new_ids)
+    backend.close()
+    return outs

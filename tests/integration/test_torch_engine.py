@@ -1,0 +1,152 @@
+"""In-process torch workers (tiny random model, fp32, CPU) on the real planes: KV pages stream to a
+holder's store and a resumed request restores from them exactly; a restarting worker loads its draft
+model, drafts for a survivor over the draft plane, and the target's output stays plain decoding's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+
+pytest.importorskip("torch")
+
+from gateway.core.health import Phase
+from gateway.protocol import control_pb2 as pb
+from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
+from gateway.protocol.launch import EngineSpec
+from worker_hooks.agent import Agent
+from worker_hooks.engine.handle import RequestHandle
+from worker_hooks.engine.worker import Worker, start_worker
+
+PS = 8
+BASE: dict[str, Any] = {
+    "control_address": "",
+    "backend": "torch",
+    "torch_model": "tiny",
+    "model": "Qwen3-8B",  # the cost model the gateway would plan with; a registered draft pair
+    "draft_model": "Qwen3-0.6B",
+    "page_size": PS,
+    "kv_capacity_tokens": 4096,
+    "ckpt_budget_bytes": 64 << 20,
+    "torch_threads": 1,
+    "log_level": "warning",
+}
+GREEDY = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=48, temperature=0.9, top_p=0.95, ignore_eos=True)
+
+
+def spec(worker_id: str, **kw: Any) -> EngineSpec:
+    return EngineSpec(worker_id=worker_id, **(BASE | kw))
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(i * 37 + salt * 11) % 256 for i in range(n)]
+
+
+def req(
+    rid: str, prompt: list[int], params: SamplingParams, *holders: Worker, seed: int = 0
+) -> GenerateRequest:
+    refs = [HolderRef(worker_id=h.worker_id, kv_endpoint=h.kv_endpoint) for h in holders]
+    return GenerateRequest(
+        rid=rid, input_ids=prompt, sampling_params=params, lumen=LumenExt(seed_base=seed, checkpoint=refs)
+    )
+
+
+async def until(cond: Any, within: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not cond():
+        if loop.time() > deadline:
+            raise TimeoutError(f"condition not met within {within} s")
+        await asyncio.sleep(0.005)
+
+
+async def drain(handle: RequestHandle) -> tuple[list[int], list[int]]:
+    out: list[int] = []
+    sizes: list[int] = []
+    while True:
+        e = await handle.next()
+        out.extend(e.new_ids)
+        sizes.append(len(e.new_ids))
+        if e.finish is not None:
+            assert e.finish.type == "length", e.finish
+            return out, sizes
+
+
+@contextlib.asynccontextmanager
+async def workers(*specs: EngineSpec) -> AsyncIterator[list[Worker]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(start_worker(s)) for s in specs]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_interrupted_request_restores_from_real_kv_pages_on_its_holder(params: SamplingParams) -> None:
+    prompt = prompt_of(45, 1)
+    async with workers(spec("a"), spec("b"), spec("ref")) as (a, b, ref):
+        truth, _ = await drain(ref.engine.submit(req("t", prompt, params, seed=3)))
+
+        h = a.engine.submit(req("r-1", prompt, params, b, seed=3))
+        emitted: list[int] = []
+        while len(emitted) < 20:
+            emitted.extend((await h.next()).new_ids)
+        a.engine.pause()  # as a dying worker: no more steps; what reached b stays there
+        await asyncio.sleep(0.05)
+        while (e := h.next_nowait()) is not None:
+            emitted.extend(e.new_ids)
+        seq = a.engine.scheduler.get("r-1")
+        assert seq is not None
+        durable = seq.kv_len // PS * PS
+        store = b.engine.ckpt.store
+        assert store is not None
+        await until(lambda: store.durable_tokens("r-1") == durable)
+        # the holder got real KV: a page is the model's K/V bytes, not the synthetic pattern
+        assert b.engine.ckpt.stats().bytes_used == durable // PS * a.engine.ckpt.page_nbytes
+        a.engine.abort("r-1", "worker failed")
+        a.engine.resume()
+
+        left = msgspec.structs.replace(params, max_new_tokens=params.max_new_tokens - len(emitted))
+        resumed = req("r-2", prompt + emitted, left, seed=3)
+        h2 = b.engine.submit(resumed)
+        assert h2.restored_tokens == durable > 0
+        rest, _ = await drain(h2)
+        assert emitted + rest == truth
+        assert b.engine.ckpt.stats().restores == 1
+        b.engine.pool.check_integrity()
+
+
+def pair(target: Worker, drafter: Worker, k: int = 4) -> None:
+    for w, peer, role in ((target, drafter, "target"), (drafter, target, "drafter")):
+        Agent(w.spec, w.engine, w.url).handle(
+            pb.GatewayMessage(
+                start_draft_assist=pb.StartDraftAssist(
+                    peer_id=peer.worker_id, peer_endpoint=peer.engine.assist.endpoint, role=role, k=k
+                )
+            )
+        )
+
+
+@pytest.mark.parametrize("draft", ["self:2", "tiny-draft"])
+async def test_a_restarting_worker_drafts_for_a_survivor_and_outputs_stay_exact(draft: str) -> None:
+    reqs = [req(f"r{i}", prompt_of(9 + 13 * i, i), GREEDY if i % 2 else SEEDED, seed=i) for i in range(4)]
+    # the full model stays "loading" (its plan's minimum time) for the whole test
+    drafter_spec = spec("d", restart=True, torch_draft=draft, draft_load_s=0.0, model_load_s=1e5)
+    async with workers(spec("plain"), drafter_spec, spec("t")) as (plain, d, t):
+        truth = [out for out, _ in await asyncio.gather(*(drain(plain.engine.submit(r)) for r in reqs))]
+        await until(lambda: d.engine.phase is Phase.DRAFT_READY)
+        role = d.engine.assist.drafter
+        assert role is not None and role.torch_drafter is not None and role.torch_drafter.model is not None
+        pair(t, d)
+        results = await asyncio.gather(*(drain(t.engine.submit(r)) for r in reqs))
+        assert [out for out, _ in results] == truth
+        sp = t.engine.assist.speculator
+        assert sp is not None
+        st = sp.client.stats
+        assert st.drafted > 0
+        if draft == "self:2":  # the target's own layers: every draft is right, steps carry k + 1 tokens
+            assert st.accepted == st.drafted
+            assert max(max(sizes) for _, sizes in results) > 1
+        assert d.engine.stats().requests_total == 0
