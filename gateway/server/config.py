@@ -19,6 +19,7 @@ from typing import Any
 from draft_models.registry import DraftError, validate_pairs
 from gateway.core.gray import GrayParams
 from gateway.core.modes import MODES, RecoveryPolicy, policy_for
+from gateway.protocol.launch import TORCH_PRESETS
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 
@@ -448,8 +449,14 @@ def validate(cfg: Config) -> None:
     _check(tc.threads >= 0, "torch.threads", tc.threads, "must be >= 0")
     _check(bool(tc.model), "torch.model", tc.model, "a preset name or a model folder is required")
     for key, name in (("torch.model", tc.model), ("torch.draft", tc.draft)):
-        if "/" in name or name.startswith("."):
-            _check(Path(name, "config.json").is_file(), key, name, "no config.json in this folder")
+        if not name or (key == "torch.draft" and name.startswith("self:")):
+            continue
+        _check(
+            name in TORCH_PRESETS or Path(name, "config.json").is_file(),
+            key,
+            name,
+            f"neither a preset ({', '.join(TORCH_PRESETS)}) nor a folder with a config.json",
+        )
     if tc.draft.startswith("self:"):
         n = tc.draft.removeprefix("self:")
         _check(n.isdigit() and int(n) >= 1, "torch.draft", tc.draft, "self:N needs N >= 1 layers")

@@ -27,6 +27,11 @@ def test_default_file_matches_schema_defaults() -> None:
         ("draft.k_initial", 99, "k_min..k_max"),
         ("engine.time_scale", True, "must be a number"),
         ("recovery.bogus", 1, "unknown key"),
+        ("engine.backend", "tensorrt", "must be one of"),
+        ("torch.model", "qwen9-1t", "neither a preset"),
+        ("torch.draft", "self:0", "N >= 1"),
+        ("torch.dtype", "int4", "must be one of"),
+        ("torch.device", "tpu", "cpu, cuda or cuda:N"),
     ],
 )
 def test_invalid_values_name_key_value_and_reason(key: str, value: object, why: str) -> None:

@@ -233,3 +233,10 @@ def test_500_mixed_requests_with_aborts_never_leak_a_page() -> None:
         rig.pool.check_integrity()
     assert submitted == 500 and aborted > 50 and finished + aborted == 500
     assert (rig.pool.free_pages, rig.pool.available_pages) == (total, total)
+
+
+def test_the_gateway_knows_every_torch_preset() -> None:
+    from gateway.protocol.launch import TORCH_PRESETS
+    from worker_hooks.engine.torch_model import PRESETS
+
+    assert set(TORCH_PRESETS) == set(PRESETS)
