@@ -150,3 +150,34 @@ async def test_a_restarting_worker_drafts_for_a_survivor_and_outputs_stay_exact(
             assert st.accepted == st.drafted
             assert max(max(sizes) for _, sizes in results) > 1
         assert d.engine.stats().requests_total == 0
+
+
+async def test_a_worker_serves_a_huggingface_folder(tmp_path: Any) -> None:
+    """config.json + sharded safetensors + tokenizer.json, as a model folder on disk would be; the
+    weights are the "tiny" preset's, so the outputs must equal a preset worker's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from worker_hooks.engine.torch_backend import expected_outputs
+    from worker_hooks.engine.torch_model import PRESETS, random_model, save_model
+
+    folder = tmp_path / "tiny-hf"
+    save_model(random_model(PRESETS["tiny"], seed=0), folder, shard_bytes=40_000)
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    vocab = {chr(0x100 + i): i for i in range(256)} | {"<|bos|>": 256, "<|eos|>": 257, "<|pad|>": 258}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.save(str(folder / "tokenizer.json"))
+    # the gateway reads the folder's tokenizer; its ids are the ids the model embeds
+    from gateway.server.config import TokenizerSection
+    from gateway.server.tokenizer import make_tokenizer
+
+    gateway_tok = make_tokenizer(TokenizerSection(kind="hf", path=str(folder / "tokenizer.json")))
+    assert gateway_tok.vocab_size == 259 == PRESETS["tiny"].vocab_size
+    assert gateway_tok.encode("\u0141\u0100") == [65, 0]
+
+    reqs = [(prompt_of(20 + 9 * i, i), GREEDY if i % 2 else SEEDED, i) for i in range(3)]
+    async with workers(spec("hf", torch_model=str(folder))) as (w,):
+        outs = await asyncio.gather(
+            *(drain(w.engine.submit(req(f"r{i}", p, sp, seed=s))) for i, (p, sp, s) in enumerate(reqs))
+        )
+    assert [o for o, _ in outs] == expected_outputs(reqs, model="tiny", page_size=PS)
