@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -116,6 +117,13 @@ async def test_interrupted_request_restores_from_real_kv_pages_on_its_holder(par
         assert emitted + rest == truth
         assert b.engine.ckpt.stats().restores == 1
         b.engine.pool.check_integrity()
+        async with aiohttp.ClientSession() as http, http.get(b.url + "/metrics") as resp:
+            text = await resp.text()
+        rows = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("lumen_"))
+        metrics = {name.split("{")[0]: float(v) for name, v in rows}
+        assert metrics["lumen_restores_total"] == 1
+        assert metrics["lumen_torch_restore_seconds_total"] > 0
+        assert metrics["lumen_torch_forward_seconds_total"] > 0
 
 
 def pair(target: Worker, drafter: Worker, k: int = 4) -> None:

@@ -70,6 +70,20 @@ class EngineCollector(Collector):
         yield counter(
             "lumen_restored_tokens", "Prompt tokens restored instead of prefilled.", c.restored_tokens
         )
+        t = engine.torch
+        if t is not None:  # real step costs: what calibrates the cost model
+            yield counter(
+                "lumen_torch_forward_seconds", "Wall time of the model's forwards.", t.forward_s_total
+            )
+            yield counter(
+                "lumen_torch_restore_seconds",
+                "Wall time copying restored KV into the cache.",
+                t.restore_s_total,
+            )
+            yield gauge("lumen_torch_load_seconds", "Wall time the full model took to load.", t.load_s)
+            yield gauge(
+                "lumen_torch_draft_load_seconds", "Wall time the draft model took to load.", t.draft_load_s
+            )
         d = engine.assist.totals()
         yield counter(
             "lumen_draft_verified_tokens", "Drafts verified for this worker (as a target).", d.drafted
