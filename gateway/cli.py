@@ -150,6 +150,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         gpu=args.gpu,
         time_scale=args.time_scale,
         control_token=os.environ.get("LUMEN_CONTROL_TOKEN", ""),
+        backend=args.backend,
+        page_size=args.page_size,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        torch_model=args.torch_model,
+        torch_draft=args.torch_draft,
+        torch_dtype=args.torch_dtype,
+        torch_device=args.torch_device,
     )
     os.execv(sys.executable, [sys.executable, "-m", "worker_hooks.engine", "--spec", encode_spec(spec)])
     return 0  # not reached
@@ -184,13 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-port", type=int)
     p.set_defaults(func=cmd_gateway)
 
-    p = sub.add_parser("worker", help="run one Lumen worker (synthetic backend) attached to a gateway")
+    p = sub.add_parser(
+        "worker", help="run one Lumen worker (synthetic or torch backend) attached to a gateway"
+    )
     p.add_argument("--id", required=True)
     p.add_argument("--control", required=True, help="gateway control plane host:port")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--model", default="Qwen3-32B")
+    p.add_argument("--model", default="Qwen3-32B", help="cost-model preset")
     p.add_argument("--gpu", default="H100-80G")
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--backend", choices=["synthetic", "torch"], default="synthetic")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-capacity-tokens", type=int, default=0, help="0: the backend's default")
+    p.add_argument("--torch-model", default="tiny", help="torch: a preset or a HuggingFace folder")
+    p.add_argument("--torch-draft", default="tiny-draft", help='torch: a preset, a folder, "self:N" or ""')
+    p.add_argument("--torch-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--torch-device", default="cpu", help="cpu, cuda or cuda:N")
     p.set_defaults(func=cmd_worker)
 
     cl = sub.add_parser("cluster", help="a local cluster: gateway + N worker processes")

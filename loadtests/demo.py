@@ -155,11 +155,31 @@ def _pct(xs: list[float], q: float) -> str:
     return f"{1000 * float(np.percentile(xs, q)):.0f} ms" if xs else "-"
 
 
-def summarize(wl: Workload, out: dict[str, Any], mode: str) -> int:
+def torch_expected_texts(wl: Workload, model: str, model_seed: int, page_size: int) -> list[str]:
+    """The torch backend's outputs for the workload with no failure, as the byte tokenizer decodes
+    them (computed here with the same random weights every worker builds)."""
+    from gateway.protocol.bytevocab import decode
+    from worker_hooks.engine.torch_backend import expected_outputs
+
+    reqs = [
+        (
+            r.prompt_ids,
+            SamplingParams(max_new_tokens=r.max_tokens, temperature=r.temperature, ignore_eos=True),
+            r.seed or 0,
+        )
+        for r in wl.results
+    ]
+    return [
+        decode(ids) for ids in expected_outputs(reqs, model=model, model_seed=model_seed, page_size=page_size)
+    ]
+
+
+def summarize(wl: Workload, out: dict[str, Any], mode: str, expected: list[str] | None = None) -> int:
     res = wl.results
     ok = [r for r in res if r.ok]
     errors = [r for r in res if not r.ok]
-    exact = sum(1 for r in ok if r.text == expected_text(r))
+    want = expected if expected is not None else [expected_text(r) for r in res]
+    exact = sum(1 for r in ok if r.text == want[r.idx])
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
     toks = sum(r.completion_tokens for r in ok)
@@ -220,12 +240,20 @@ def summarize(wl: Workload, out: dict[str, Any], mode: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from gateway.cli import parse_set
+    from gateway.server.config import load_config
 
     overrides = {**DEMO_OVERRIDES, **parse_set(args.set)}
+    cfg = load_config(args.config, overrides)
+    torch_backend = cfg.engine.backend == "torch"
     mode = args.mode or "lumen"
     wl = make_workload(args.requests, args.rate, args.seed)
+    workers = (
+        f"torch workers ({cfg.torch.model}, {cfg.torch.dtype} on {cfg.torch.device}, real)"
+        if torch_backend
+        else f"synthetic workers ({cfg.model.preset} on {cfg.model.gpu}, modelled)"
+    )
     print(
-        f"Lumen demo: {args.workers} synthetic workers (Qwen3-32B on H100, modelled), {args.requests} streaming "
+        f"Lumen demo: {args.workers} {workers}, {args.requests} streaming "
         f"requests at {args.rate:g}/s, recovery mode '{mode}'; "
         + (
             f"the busiest worker is killed {args.kill_at:g} s into the load"
@@ -240,9 +268,16 @@ def main(args: argparse.Namespace) -> int:
     ) as c:
         print(f"cluster ready at {c.url} (worker logs in {c.ready.get('logs')})")
         asyncio.run(_drive(c.url, wl, args.kill_at, args.kill_mode, out))
-    rc = summarize(wl, out, mode)
+    expected = None
+    if torch_backend:
+        print("computing the no-failure outputs of the torch model for the exactness check ...")
+        expected = torch_expected_texts(wl, cfg.torch.model, cfg.engine.model_seed, cfg.engine.page_size)
+    rc = summarize(wl, out, mode, expected)
     if args.compare and args.kill_at >= 0:
-        compare(args)
+        if torch_backend:
+            print("(the side-by-side comparison runs synthetic workers only; skipped for the torch backend)")
+        else:
+            compare(args)
     return rc
 
 
