@@ -11,6 +11,10 @@ Rounds that queued up behind a newer round from the same target are superseded: 
 releases still apply, in order, but they get no reply (the target would drop it as stale anyway), so
 a slow drafter catches up instead of falling further behind. A bad message is refused and logged and
 changes nothing. It owns one task, started by `start()` and ended by `close()`.
+
+A real draft model computes for real: given a `thread` (a single-worker executor), each round's
+work runs there, so the worker's event loop (its heartbeats, its own streams) never waits on a
+forward; rounds stay one at a time, and `close()` waits for the one in flight before it clears state.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, cast
@@ -86,6 +91,7 @@ class DrafterServer:
         time_scale: float = 1.0,
         max_states: int = 4096,
         max_drain: int = 256,
+        thread: Executor | None = None,
     ) -> None:
         if max_states < 1:
             raise ValueError(f"max_states must be >= 1, got {max_states}")
@@ -105,6 +111,8 @@ class DrafterServer:
         self._states: OrderedDict[tuple[bytes, str], DraftState] = OrderedDict()
         self.stats = DrafterStats()
         self.endpoint = ""
+        self._thread = thread
+        self._inflight: asyncio.Future[tuple[list[list[bytes]], float]] | None = None
 
     @property
     def n_states(self) -> int:
@@ -132,6 +140,9 @@ class DrafterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._inflight is not None:  # a round still running on the thread: let it finish first
+            await asyncio.gather(self._inflight, return_exceptions=True)
+            self._inflight = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -158,7 +169,12 @@ class DrafterServer:
             while len(batch) < self._max_drain and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 batch.append(await sock.recv_multipart())
             try:
-                replies, seconds = self.handle(batch)
+                if self._thread is None:
+                    replies, seconds = self.handle(batch)
+                else:
+                    self._inflight = asyncio.wrap_future(self._thread.submit(self.handle, batch))
+                    replies, seconds = await self._inflight
+                    self._inflight = None
             except Exception:  # the outermost loop: one bad round must not stop the drafter
                 self.stats.refused += len(batch)
                 log.exception("draft_round_failed", messages=len(batch))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import structlog
@@ -314,3 +316,38 @@ async def test_rejection_sampling_over_the_wire(client: DraftClient) -> None:
     acceptance = client.stats.acceptance
     assert acceptance is not None and 0.6 < acceptance < 0.8, acceptance
     assert len(out) / steps > 2.0
+
+
+class _SlowDrafter(SyntheticDrafter):
+    """A draft model whose proposals take real time, as a real model's forwards do."""
+
+    def propose(self, state: Any, k: int, sampler: Sampler, *, want_q: bool = False) -> Any:
+        time.sleep(0.05)
+        return super().propose(state, k, sampler, want_q=want_q)
+
+
+async def test_a_drafter_with_a_thread_keeps_the_event_loop_free(ctx: zmq.asyncio.Context) -> None:
+    """With a thread, a round's forwards never hold the loop (its worker's heartbeats run there)."""
+    with ThreadPoolExecutor(1) as thread:
+        async with DrafterServer(_SlowDrafter(0.7), ctx=ctx, time_scale=0.0, thread=thread) as srv:
+            c = DraftClient(srv.endpoint, ctx=ctx)
+            try:
+                await connect(c)
+                lags: list[float] = []
+
+                async def ticker() -> None:
+                    while True:
+                        t = time.perf_counter()
+                        await asyncio.sleep(0.005)
+                        lags.append(time.perf_counter() - t - 0.005)
+
+                tick = asyncio.create_task(ticker())
+                items = [c.sync_item(f"r{i}", [1, 2, 3], 4) for i in range(4)]  # 4 x 50 ms of "forwards"
+                c.request(1, items)
+                got = await c.poll(1, TIMEOUT)
+                tick.cancel()
+                assert got is not None and len(got) == 4
+                # without the thread the loop stalls for the whole round (~200 ms)
+                assert max(lags) < 0.1, f"the loop stalled {max(lags) * 1000:.0f} ms"
+            finally:
+                c.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import structlog
@@ -64,20 +65,27 @@ class DrafterRole:
         self.cost = CostModel.preset(spec.draft_model, spec.gpu)
         drafter: DraftModel
         time_scale = spec.time_scale
+        self._thread: ThreadPoolExecutor | None = None
         if spec.backend == "torch":
             from draft_models.torch_drafter import TorchDrafter  # torch only where it is used
 
             # its model arrives with set_model; a real model takes real time, nothing is modelled
             self.torch_drafter: TorchDrafter | None = TorchDrafter()
             drafter, time_scale = self.torch_drafter, 0.0
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{worker_id}")
         else:
             # the same model seed and token range as the target: agreeing drafts are the target's tokens
             self.torch_drafter = None
             drafter = SyntheticDrafter(
-                spec.draft_agreement, model_seed=spec.model_seed, token_lo=spec.token_lo, token_hi=spec.token_hi
+                spec.draft_agreement,
+                model_seed=spec.model_seed,
+                token_lo=spec.token_lo,
+                token_hi=spec.token_hi,
             )
         self._gate = _LoadingGate(drafter)
-        self._server = DrafterServer(self._gate, DRAFT_BIND, cost=self.cost, time_scale=time_scale)
+        self._server = DrafterServer(
+            self._gate, DRAFT_BIND, cost=self.cost, time_scale=time_scale, thread=self._thread
+        )
         self.quiet_s = max(0.02, spec.draft_timeout_ms / 1000.0)
         self.endpoint = ""  # "" before start and after retirement
         self.peers: set[str] = set()  # targets the gateway paired us with
@@ -144,3 +152,5 @@ class DrafterRole:
     async def close(self) -> None:
         await self._server.close()
         self.endpoint = ""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
