@@ -187,7 +187,9 @@ async def test_heartbeats_stay_on_time_while_the_engine_is_busy(attached: tuple[
     assert w.engine.stats().steps_total - steps > 50  # the engine really was stepping meanwhile
     times = session.arrivals[start:]
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert len(times) >= 10 and max(gaps) < 0.15, gaps
+    # starvation would stretch every gap; one hiccup (a GC pause, a busy CI box) is not what this checks
+    assert len(times) >= 10, gaps
+    assert sorted(gaps)[len(gaps) * 9 // 10] < 0.06 and max(gaps) < 0.5, gaps
     last = session.heartbeats[-1]  # max_running_requests is 32 in this spec
     assert (last.running, last.waiting) == (32, 28) and last.kv_tokens_used > 32 * 500
 
