@@ -66,7 +66,8 @@ async def until(cond: Any, within: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def drain(handle: RequestHandle) -> tuple[list[int], list[int]]:
+async def collect(handle: RequestHandle) -> tuple[list[int], list[int], str]:
+    """A request's whole output, how many ids each emission carried, and its finish type."""
     out: list[int] = []
     sizes: list[int] = []
     while True:
@@ -74,8 +75,13 @@ async def drain(handle: RequestHandle) -> tuple[list[int], list[int]]:
         out.extend(e.new_ids)
         sizes.append(len(e.new_ids))
         if e.finish is not None:
-            assert e.finish.type == "length", e.finish
-            return out, sizes
+            return out, sizes, e.finish.type
+
+
+async def drain(handle: RequestHandle) -> tuple[list[int], list[int]]:
+    out, sizes, finish = await collect(handle)
+    assert finish == "length", finish
+    return out, sizes
 
 
 @contextlib.asynccontextmanager
@@ -217,21 +223,12 @@ async def test_aborts_while_forwards_run_lose_nothing_and_leak_no_page() -> None
                 await asyncio.sleep(rnd.uniform(0.0, 0.01))
                 w.engine.abort(f"r{i}", "client went away")
 
-        results, _ = await asyncio.gather(asyncio.gather(*(drain_any(h) for h in handles)), abort_later())
+        results, _ = await asyncio.gather(asyncio.gather(*(collect(h) for h in handles)), abort_later())
         pool = w.engine.pool
         await until(lambda: not w.engine.scheduler.has_work)
         pool.check_integrity()
         assert pool.free_pages == pool.total_pages
-    kept = [i for i, (_, finish) in enumerate(results) if finish != "abort"]
-    assert all(i in victims for i, (_, finish) in enumerate(results) if finish == "abort")
+    kept = [i for i, (_, _, finish) in enumerate(results) if finish != "abort"]
+    assert all(i in victims for i, (_, _, finish) in enumerate(results) if finish == "abort")
     assert [results[i][0] for i in kept] == [truth[i] for i in kept]
     assert len(kept) < len(reqs)  # some aborts did land mid-flight
-
-
-async def drain_any(handle: RequestHandle) -> tuple[list[int], str]:
-    out: list[int] = []
-    while True:
-        e = await handle.next()
-        out.extend(e.new_ids)
-        if e.finish is not None:
-            return out, e.finish.type

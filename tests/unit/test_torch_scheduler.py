@@ -61,7 +61,7 @@ class Rig:
 
     def step(self, drafts: dict[str, Drafts] | None = None) -> StepResult:
         plan = self.sched.plan(drafts)
-        logits, _ = self.backend.run(plan)
+        logits = self.backend.run(plan)
         return self.sched.commit(plan, logits)
 
     def run(self, outs: dict[str, list[int]] | None = None, drafter: Any = None) -> dict[str, list[int]]:

@@ -120,7 +120,8 @@ class Checkpointer:
         else:
             self.page_nbytes = model_page_nbytes(model, spec.page_size, spec.ckpt_payload_scale)
             modelled_page = spec.page_size * model.kv_bytes_per_token
-        self._page_bytes = PageBytes(self.page_nbytes)
+        # synthetic page bytes, only where no real KV is sent
+        self._page_bytes = PageBytes(self.page_nbytes) if pages is None else None
         # real bytes -> modelled bytes, exact for pages of this model
         self._modelled = modelled_page / self.page_nbytes
         self.budget_bytes = spec.ckpt_budget_bytes
@@ -212,24 +213,20 @@ class Checkpointer:
     def restorable(self, input_ids: list[int]) -> int:
         """Tokens of `input_ids` the local store can restore: full pages, never the last token
         (its logits are needed, so it is always recomputed)."""
-        ps = self.page_size
-        limit = (len(input_ids) - 1) // ps * ps
-        if self.store is None or limit <= 0 or not self.store.bytes_used:
-            return 0
-        tokens, _ = self.store.longest_prefix(input_ids[:limit], ps)
-        return tokens
+        return self._held_prefix(input_ids)[0]
 
     def restore(self, input_ids: list[int]) -> tuple[int, bytes | None]:
         """`restorable` with the pages' bytes, copied out of the store (an eviction after this
         cannot take them); (0, None) when nothing is restorable."""
+        tokens, pages = self._held_prefix(input_ids)
+        return (tokens, b"".join(pages)) if tokens else (0, None)
+
+    def _held_prefix(self, input_ids: list[int]) -> tuple[int, list[memoryview]]:
         ps = self.page_size
         limit = (len(input_ids) - 1) // ps * ps
         if self.store is None or limit <= 0 or not self.store.bytes_used:
-            return 0, None
-        tokens, pages = self.store.longest_prefix(input_ids[:limit], ps)
-        if not tokens:
-            return 0, None
-        return tokens, b"".join(pages)
+            return 0, []
+        return self.store.longest_prefix(input_ids[:limit], ps)
 
     # -- streaming (serving side) -----------------------------------------------------------------
     def admitted(self, seq: Seq, holders: Iterable[str]) -> None:
@@ -261,10 +258,11 @@ class Checkpointer:
         prior = st.last_key if first == st.sent else None  # a re-send starts at page 0
         ids = st.seq.context(first * ps, end * ps)
         keys = page_keys(ids, ps, prior)
-        if self._source is not None:
-            payload = self._source.export(st.seq, first, end)
-        else:
+        if self._page_bytes is not None:
             payload = self._page_bytes.of(keys)
+        else:
+            assert self._source is not None
+            payload = self._source.export(st.seq, first, end)
         try:
             sender.send_pages(st.seq.rid, holders, first, ids, payload, page_size=ps)
         except ValueError as exc:  # an endpoint zmq will not connect to

@@ -98,7 +98,7 @@ class TorchBackend:
         if plan.empty:
             return None
         t0 = time.perf_counter()
-        logits, _ = await self._on_thread(lambda: self.run(plan))
+        logits = await self._on_thread(lambda: self.run(plan))
         seconds = time.perf_counter() - t0
         return scheduler.commit(plan, logits), seconds
 
@@ -145,8 +145,8 @@ class TorchBackend:
         return model
 
     # -- one step (blocking: run on the step thread) ----------------------------------------------
-    def run(self, plan: StepPlan) -> tuple[list[torch.Tensor], float]:
-        """Copy in the restored prefixes, then one forward; returns (logits per item, restore seconds)."""
+    def run(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Copy in the restored prefixes, then one forward; returns the logits per batch item."""
         model, cache = self._ready()
         t0 = time.perf_counter()
         for pages, data in plan.restores:
@@ -158,7 +158,7 @@ class TorchBackend:
         t2 = time.perf_counter()
         self.restore_s_total += t1 - t0
         self.forward_s_total += t2 - t1
-        return logits, t1 - t0
+        return logits
 
     def export(self, seq: Seq, first: int, end: int) -> memoryview:
         """KV bytes of the request's pages [first, end) (checkpoint streaming)."""
@@ -202,7 +202,7 @@ def expected_outputs(
     outs: list[list[int]] = [[] for _ in requests]
     while sched.has_work:
         plan = sched.plan()
-        logits, _ = backend.run(plan)
+        logits = backend.run(plan)
         for e in sched.commit(plan, logits).emissions:
             outs[int(e.rid)].extend(e.new_ids)
     backend.close()

@@ -33,7 +33,7 @@ import torch
 from draft_models.verify import verify_match
 from gateway.core.costmodel import StepWork
 from gateway.protocol.generate import FinishReason, SamplingParams
-from worker_hooks.engine.pages import PagePool, pages_for
+from worker_hooks.engine.pages import pages_for
 from worker_hooks.engine.scheduler import (
     BatchScheduler,
     Drafts,
@@ -109,9 +109,6 @@ def sample_token(logits: torch.Tensor, sampler: Sampler, position: int) -> int:
 
 
 class TorchScheduler(BatchScheduler):
-    def __init__(self, pool: PagePool, *, max_running: int, chunked_prefill_size: int) -> None:
-        super().__init__(pool, max_running=max_running, chunked_prefill_size=chunked_prefill_size)
-
     def make_seq(
         self,
         rid: str,
