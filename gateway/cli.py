@@ -42,7 +42,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def _load(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
-    from gateway.server.config import ConfigError, load_config
+    from gateway.config import ConfigError, load_config
 
     overrides: dict[str, Any] = dict(extra)
     if getattr(args, "mode", None):
@@ -82,8 +82,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from gateway.cluster.run import run_cluster
     from gateway.server.logs import configure_logging
-    from gateway.server.runner import run_cluster
 
     extra: dict[str, Any] = {"gateway.port": args.port, "gateway.control_port": 0}
     if args.workers is not None:

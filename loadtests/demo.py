@@ -240,7 +240,7 @@ def summarize(wl: Workload, out: dict[str, Any], mode: str, expected: list[str] 
 
 def main(args: argparse.Namespace) -> int:
     from gateway.cli import parse_set
-    from gateway.server.config import load_config
+    from gateway.config import load_config
 
     overrides = {**DEMO_OVERRIDES, **parse_set(args.set)}
     cfg = load_config(args.config, overrides)

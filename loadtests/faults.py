@@ -36,7 +36,7 @@ from typing import Any, Literal
 import aiohttp
 import structlog
 
-from gateway.server.cluster import SLOWDOWN_RANGE
+from gateway.protocol.faults import SLOWDOWN_RANGE
 
 log = structlog.get_logger("lumen.faults")
 

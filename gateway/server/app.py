@@ -14,6 +14,7 @@ import structlog
 from aiohttp import web
 from grpc import aio
 
+from gateway.config import Config, recovery_policy
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
@@ -23,23 +24,21 @@ from gateway.core.load import estimated_load
 from gateway.core.pairing import PairingParams
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.server.assist import DraftCoordinator
-from gateway.server.auth import require_admin
+from gateway.protocol.faults import FAULT_MODES, SLOWDOWN_RANGE, SPEED_MODES
+from gateway.server.api.auth import require_admin
+from gateway.server.api.errors import InvalidRequest, NotFound, UpstreamFailed, UpstreamRejected
+from gateway.server.api.middleware import error_middleware
+from gateway.server.api.routes import add_client_routes
+from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.checkpoints import CheckpointManager
-from gateway.server.cluster import FAULT_SIGNALS, SLOWDOWN_RANGE, SPEED_MODES
-from gateway.server.config import Config, recovery_policy
-from gateway.server.control import ControlService, start_control_server
-from gateway.server.errors import InvalidRequest, NotFound, UpstreamFailed, UpstreamRejected
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.middleware import error_middleware
-from gateway.server.monitor import LoadMonitor, StateEvent
-from gateway.server.openai_api import add_client_routes
+from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.sessions import SessionManager
-from gateway.server.tokenizer import make_tokenizer
+from gateway.server.workers.control import ControlService, start_control_server
+from gateway.server.workers.monitor import LoadMonitor, StateEvent
 
 log = structlog.get_logger("lumen.gateway")
 
-FAULT_MODES = (*FAULT_SIGNALS, *SPEED_MODES)
 
 
 class FaultInjector(Protocol):

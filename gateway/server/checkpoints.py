@@ -21,9 +21,9 @@ from gateway.core.health import WorkerState
 from gateway.core.types import ClusterView, WorkerView
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import HolderRef
-from gateway.server.control import ControlService
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.monitor import LoadMonitor, StateEvent, WorkerRecord
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor, StateEvent, WorkerRecord
 
 log = structlog.get_logger("lumen.checkpoints")
 

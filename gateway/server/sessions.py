@@ -19,19 +19,19 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 
+from gateway.config import RecoverySection
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams, dispatch
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import choose_worker, routing_params
 from gateway.core.types import ClusterView, LoadParams
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
+from gateway.server.api.errors import NoWorkerAvailable, Overloaded, UpstreamFailed, UpstreamRejected
+from gateway.server.api.jobs import GenerateJob, TokenDelta
 from gateway.server.checkpoints import CheckpointManager
-from gateway.server.config import RecoverySection
-from gateway.server.errors import NoWorkerAvailable, Overloaded, UpstreamFailed, UpstreamRejected
-from gateway.server.jobs import GenerateJob, TokenDelta
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.monitor import LoadMonitor, WorkerRecord
-from gateway.server.worker_client import WorkerLost, WorkerRefused, WorkerStream
+from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
+from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.sessions")
 

@@ -8,9 +8,9 @@ from gateway.core.holders import HolderParams
 from gateway.core.types import LoadParams
 from gateway.protocol import control_pb2 as pb
 from gateway.server.checkpoints import CheckpointManager
-from gateway.server.control import ControlService
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.monitor import LoadMonitor
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor
 
 KV = 1000  # bytes per token, small to keep numbers readable
 

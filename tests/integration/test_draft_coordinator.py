@@ -6,10 +6,10 @@ import asyncio
 
 from gateway.core.pairing import PairingParams
 from gateway.protocol import control_pb2 as pb
-from gateway.server.assist import DraftCoordinator
-from gateway.server.control import ControlService
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.monitor import LoadMonitor
+from gateway.server.recovery.pairing import DraftCoordinator
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor
 
 
 def hello(wid: str, inc: int, phase: int) -> pb.Hello:

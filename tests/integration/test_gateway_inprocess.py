@@ -11,10 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.config import load_config
 from gateway.protocol.generate import SamplingParams
 from gateway.protocol.launch import EngineSpec
 from gateway.server.app import Gateway
-from gateway.server.config import load_config
 from worker_hooks.engine.synthetic import expected_output
 from worker_hooks.engine.worker import start_worker
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway.core.gray import GrayParams
 from gateway.core.health import WorkerState
 from gateway.protocol import control_pb2 as pb
-from gateway.server.monitor import LoadMonitor
+from gateway.server.workers.monitor import LoadMonitor
 
 
 class Clock:

@@ -11,12 +11,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.server.config import Config, GatewaySection, LimitsSection, TokenizerSection
-from gateway.server.errors import GatewayError, NoWorkerAvailable, UpstreamFailed
-from gateway.server.jobs import GenerateJob, TokenDelta
-from gateway.server.middleware import error_middleware
-from gateway.server.openai_api import add_client_routes
-from gateway.server.tokenizer import ByteTokenizer
+from gateway.config import Config, GatewaySection, LimitsSection, TokenizerSection
+from gateway.server.api.errors import GatewayError, NoWorkerAvailable, UpstreamFailed
+from gateway.server.api.jobs import GenerateJob, TokenDelta
+from gateway.server.api.middleware import error_middleware
+from gateway.server.api.routes import add_client_routes
+from gateway.server.api.tokenizer import ByteTokenizer
 
 KEY = "secret-key-0001"
 CONFIG = Config(

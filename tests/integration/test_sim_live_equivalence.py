@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gateway.config import RecoverySection
 from gateway.core.health import WorkerState
 from gateway.core.modes import policy_for
 from gateway.protocol import control_pb2 as pb
-from gateway.server.assist import DraftCoordinator
+from gateway.server.api.errors import NoWorkerAvailable
+from gateway.server.api.jobs import GenerateJob, Sampling
 from gateway.server.checkpoints import CheckpointManager
-from gateway.server.config import RecoverySection
-from gateway.server.control import ControlService
-from gateway.server.errors import NoWorkerAvailable
-from gateway.server.jobs import GenerateJob, Sampling
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.monitor import LoadMonitor
+from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.sessions import Interruption, Session, SessionManager
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor
 from gateway.sim import trace as tr
 from gateway.sim.result import RunResult
 from gateway.sim.scenario import parse_scenario

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server.config import Config, ConfigError, load_config
+from gateway.config import Config, ConfigError, load_config
 
 
 def test_default_file_matches_schema_defaults() -> None:

@@ -12,8 +12,8 @@ from draft_models.registry import (
     tokenizer_family,
     validate_pairs,
 )
+from gateway.config import DraftPair, DraftSection
 from gateway.core.costmodel import MODELS, ModelSpec
-from gateway.server.config import DraftPair, DraftSection
 
 
 def test_the_default_config_pairs_validate_and_look_up() -> None:

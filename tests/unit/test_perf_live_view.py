@@ -16,9 +16,9 @@ from gateway.core.load import load_table
 from gateway.core.types import ClusterView, LoadParams
 from gateway.protocol import control_pb2 as pb
 from gateway.server.checkpoints import CheckpointManager
-from gateway.server.control import ControlService
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.monitor import LoadMonitor
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor
 
 KV = 1000
 PARAMS = LoadParams(nominal_batch=8)

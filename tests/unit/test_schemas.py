@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.server.errors import InvalidRequest, ModelNotFound, PromptTooLong
-from gateway.server.params import decode_object
-from gateway.server.schemas import (
+from gateway.server.api.errors import InvalidRequest, ModelNotFound, PromptTooLong
+from gateway.server.api.params import decode_object
+from gateway.server.api.schemas import (
     Bounds,
     ChatRequest,
     SamplingRequest,

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFRaw
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gateway.server.chat_template import ChatMessage, ChatTemplate
-from gateway.server.config import ConfigError, TokenizerSection
-from gateway.server.detokenize import Detokenizer
-from gateway.server.errors import GatewayError, InvalidRequest
-from gateway.server.tokenizer import EOS_ID, ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
+from gateway.config import ConfigError, TokenizerSection
+from gateway.server.api.chat_template import ChatMessage, ChatTemplate
+from gateway.server.api.detokenize import Detokenizer
+from gateway.server.api.errors import GatewayError, InvalidRequest
+from gateway.server.api.tokenizer import EOS_ID, ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
 
 CORPUS = ["hello world", "héllo wörld 世界", "the quick brown fox jumps", "emoji 🎉 party"]
 

@@ -13,7 +13,7 @@ import msgspec
 import structlog
 from aiohttp import hdrs, web
 
-from gateway.server.errors import GatewayError, NotFound, RequestTooLarge, Unauthorized
+from gateway.server.api.errors import GatewayError, NotFound, RequestTooLarge, Unauthorized
 
 log = structlog.get_logger(__name__)
 

@@ -21,16 +21,16 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from gateway.server.auth import check_bearer
-from gateway.server.chat_template import ChatTemplate
-from gateway.server.config import Config
-from gateway.server.detokenize import Detokenizer
-from gateway.server.errors import GatewayError, ModelNotFound, RequestTooLarge
-from gateway.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
-from gateway.server.generation import Generation
-from gateway.server.jobs import GenerateJob, Generator, Sampling
-from gateway.server.params import decode_object
-from gateway.server.schemas import (
+from gateway.config import Config
+from gateway.server.api.auth import check_bearer
+from gateway.server.api.chat_template import ChatTemplate
+from gateway.server.api.detokenize import Detokenizer
+from gateway.server.api.errors import GatewayError, ModelNotFound, RequestTooLarge
+from gateway.server.api.formats import ChatFormat, CompletionFormat, Format, NativeFormat
+from gateway.server.api.generation import Generation
+from gateway.server.api.jobs import GenerateJob, Generator, Sampling
+from gateway.server.api.params import decode_object
+from gateway.server.api.schemas import (
     Bounds,
     Prompt,
     SamplingRequest,
@@ -39,7 +39,7 @@ from gateway.server.schemas import (
     parse_completion,
     parse_generate,
 )
-from gateway.server.tokenizer import Tokenizer
+from gateway.server.api.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -19,7 +19,7 @@ from grpc import aio
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol import control_pb2_grpc as pb_grpc
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
-from gateway.server.monitor import AttachRefused, LoadMonitor, WorkerRecord
+from gateway.server.workers.monitor import AttachRefused, LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.control")
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from aiohttp import hdrs, web
 
-from gateway.server.errors import Forbidden, Unauthorized
+from gateway.server.api.errors import Forbidden, Unauthorized
 
 
 def key_id(key: str) -> str:

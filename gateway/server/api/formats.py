@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.server.generation import Finish, Generation, Step
+from gateway.server.api.generation import Finish, Generation, Step
 
 Json = dict[str, Any]
 

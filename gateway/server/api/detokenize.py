@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.server.tokenizer import Tokenizer
+from gateway.server.api.tokenizer import Tokenizer
 
 
 class Detokenizer:

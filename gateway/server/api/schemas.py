@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.server.chat_template import ROLES, ChatMessage
-from gateway.server.config import Config
-from gateway.server.errors import InvalidRequest, ModelNotFound, PromptTooLong
-from gateway.server.params import Fields, check_token_ids, json_type
+from gateway.config import Config
+from gateway.server.api.chat_template import ROLES, ChatMessage
+from gateway.server.api.errors import InvalidRequest, ModelNotFound, PromptTooLong
+from gateway.server.api.params import Fields, check_token_ids, json_type
 
 MAX_STOP_OPENAI = 4
 MAX_STOP_NATIVE = 16

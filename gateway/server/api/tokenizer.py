@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from gateway.config import ConfigError, TokenizerSection
 from gateway.protocol import bytevocab
-from gateway.server.config import ConfigError, TokenizerSection
 
 
 class IncrementalDecoder(Protocol):

@@ -19,15 +19,14 @@ from pathlib import Path
 import msgspec
 import structlog
 
+from gateway.config import Config, draft_for, recovery_policy
 from gateway.protocol.launch import EngineSpec, encode_spec
-from gateway.server.config import Config, draft_for, recovery_policy
-from gateway.server.errors import NotFound
+from gateway.server.api.errors import NotFound
 
 log = structlog.get_logger("lumen.cluster")
 
 
-# kill: kill -9; hang: the whole process freezes (heartbeats stop); stall: only the engine loop
-# freezes (heartbeats go on: a gray failure); resume / unstall undo them; term: graceful stop
+# each of gateway.protocol.faults.SIGNAL_MODES as the signal that carries it (tests check they agree)
 FAULT_SIGNALS = {
     "kill": signal.SIGKILL,
     "hang": signal.SIGSTOP,
@@ -36,11 +35,6 @@ FAULT_SIGNALS = {
     "unstall": signal.SIGUSR2,
     "term": signal.SIGTERM,
 }
-# slow: the engine keeps serving but every step takes `factor` x its modelled time (a degraded GPU;
-# the gateway forwards it to the worker's `POST /lumen/fault`, no signal can carry a factor); normal
-# undoes it. A worker restarted by the supervisor starts at normal speed.
-SPEED_MODES = ("slow", "normal")
-SLOWDOWN_RANGE = (1.0, 1000.0)  # a factor below 1 would be a speed-up; far beyond, a stall models it
 
 
 @dataclass(slots=True)

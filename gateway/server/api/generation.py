@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import TracebackType
 
-from gateway.server.detokenize import Detokenizer
-from gateway.server.jobs import FinishReason, GenerateJob, Generator
+from gateway.server.api.detokenize import Detokenizer
+from gateway.server.api.jobs import FinishReason, GenerateJob, Generator
 
 
 @dataclass(frozen=True, slots=True)

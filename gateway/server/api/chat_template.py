@@ -16,9 +16,9 @@ from typing import Any, NoReturn
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.server.config import ConfigError
-from gateway.server.errors import GatewayError, InvalidRequest
-from gateway.server.tokenizer import Tokenizer
+from gateway.config import ConfigError
+from gateway.server.api.errors import GatewayError, InvalidRequest
+from gateway.server.api.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.server.errors import InvalidRequest
+from gateway.server.api.errors import InvalidRequest
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from gateway.core.health import WorkerState
 from gateway.core.pairing import PairingParams, pair_drafters
 from gateway.core.types import ClusterView
 from gateway.protocol import control_pb2 as pb
-from gateway.server.control import ControlService
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.monitor import LoadMonitor
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor
 
 log = structlog.get_logger("lumen.assist")
 

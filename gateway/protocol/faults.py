@@ -1,0 +1,14 @@
+"""The fault vocabulary of local clusters' admin API (`POST /admin/workers/{id}/kill?mode=…`) and of
+load-test fault schedules: what each mode does is the supervisor's business (gateway/cluster)."""
+
+from __future__ import annotations
+
+# kill: kill -9; hang: the whole process freezes (heartbeats stop); stall: only the engine loop
+# freezes (heartbeats go on: a gray failure); resume / unstall undo them; term: graceful stop
+SIGNAL_MODES = ("kill", "hang", "resume", "stall", "unstall", "term")
+# slow: the engine keeps serving but every step takes `factor` x its modelled time (a degraded GPU;
+# the gateway forwards it to the worker's `POST /lumen/fault`, no signal can carry a factor); normal
+# undoes it. A worker restarted by the supervisor starts at normal speed.
+SPEED_MODES = ("slow", "normal")
+FAULT_MODES = (*SIGNAL_MODES, *SPEED_MODES)
+SLOWDOWN_RANGE = (1.0, 1000.0)  # a factor below 1 would be a speed-up; far beyond, a stall models it
