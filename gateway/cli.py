@@ -11,6 +11,9 @@ import urllib.request
 from typing import Any
 
 from gateway.core.modes import MODES
+from gateway.protocol.faults import FAULT_MODES
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
+from gateway.protocol.launch import Backend
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -25,30 +28,14 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` items to overrides; VALUE is read as TOML (a bare word is a string)."""
-    import tomllib
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"lumen: --set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = raw
-    return out
-
-
 def _load(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
-    from gateway.config import ConfigError, load_config
+    from gateway.config import ConfigError, load_config, parse_set
 
     overrides: dict[str, Any] = dict(extra)
     if getattr(args, "mode", None):
         overrides["recovery.mode"] = args.mode
-    overrides.update(parse_set(args.set))
     try:
+        overrides.update(parse_set(args.set))
         return load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"lumen: invalid configuration: {exc}", file=sys.stderr)
@@ -200,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="Qwen3-32B", help="cost-model preset")
     p.add_argument("--gpu", default="H100-80G")
     p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--backend", choices=["synthetic", "torch"], default="synthetic")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--backend", choices=list(Backend), default=Backend.SYNTHETIC)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--kv-capacity-tokens", type=int, default=0, help="0: the backend's default")
     p.add_argument("--torch-model", default="tiny", help="torch: a preset or a HuggingFace folder")
     p.add_argument("--torch-draft", default="tiny-draft", help='torch: a preset, a folder, "self:N" or ""')
@@ -215,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--workers", type=int)
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", choices=["synthetic", "torch"])
+    p.add_argument("--backend", choices=list(Backend))
     p.add_argument("--time-scale", type=float)
     p.add_argument("--log-dir")
     p.set_defaults(func=cmd_cluster_up)
@@ -225,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode",
         dest="kill_mode",
-        choices=["kill", "hang", "resume", "stall", "unstall", "term", "slow", "normal"],
+        choices=list(FAULT_MODES),
         default="kill",
     )
     p.add_argument(
@@ -274,11 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    if getattr(args, "passthrough", False):
-        return int(func(args, rest) or 0)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return int(func(args) or 0)
+    from gateway.config import ConfigError
+
+    try:
+        if getattr(args, "passthrough", False):
+            return int(func(args, rest) or 0)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return int(func(args) or 0)
+    except ConfigError as exc:
+        print(f"lumen: invalid configuration: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

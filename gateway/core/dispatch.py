@@ -26,15 +26,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from enum import StrEnum
+from typing import Literal
 
 from gateway.core.costmodel import CostModel, StepWork
 from gateway.core.load import SERVING, LoadTable, estimated_load, load_table
 from gateway.core.modes import DISPATCH_RULES, DispatchRule
 from gateway.core.router import choose_worker
-from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
+from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView, check
 
-ThetaMode = Literal["relative", "absolute"]
+
+class ThetaMode(StrEnum):
+    """θ as a multiple of the survivors' mean `L̂` (relative) or as an `L̂` value (absolute)."""
+
+    RELATIVE = "relative"
+    ABSOLUTE = "absolute"
+
+
+THETA_MODES: tuple[str, ...] = tuple(ThetaMode)
 Action = Literal["restore", "replay"]
 
 
@@ -66,23 +75,24 @@ class InterruptedRequest:
 @dataclass(frozen=True, slots=True)
 class DispatchParams:
     load: LoadParams = field(default_factory=LoadParams)
-    rule: DispatchRule = "threshold"
+    rule: DispatchRule = DispatchRule.THRESHOLD
     theta: float = 2.0
-    theta_mode: ThetaMode = "relative"
+    theta_mode: ThetaMode = ThetaMode.RELATIVE
     tau: int = 512  # tokens
     # cost rule: decode steps a running request still needs on average before it frees its batch
     # slot (about half the Azure conversation trace's median output of ~129 tokens)
     service_steps: int = 64
 
     def __post_init__(self) -> None:
-        if self.rule not in DISPATCH_RULES:
-            raise ValueError(f"rule must be one of {DISPATCH_RULES}, got {self.rule!r}")
-        if self.theta_mode not in get_args(ThetaMode):
-            raise ValueError(f"theta_mode must be relative or absolute, got {self.theta_mode!r}")
-        if not self.theta >= 0:
-            raise ValueError(f"theta must be >= 0, got {self.theta}")
-        if self.tau < 0 or self.service_steps < 0:
-            raise ValueError(f"tau and service_steps must be >= 0, got {self.tau}, {self.service_steps}")
+        check(self.rule in DISPATCH_RULES, "rule", self.rule, f"must be one of {', '.join(DISPATCH_RULES)}")
+        check(
+            self.theta_mode in THETA_MODES, "theta_mode", self.theta_mode, "must be one of relative, absolute"
+        )
+        check(
+            self.theta >= 0 and math.isfinite(self.theta), "theta", self.theta, "must be a finite number >= 0"
+        )
+        check(self.tau >= 0, "tau", self.tau, "must be >= 0 tokens")
+        check(self.service_steps >= 0, "service_steps", self.service_steps, "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from gateway.core.health import WorkerState
-from gateway.core.types import WorkerId
+from gateway.core.types import WorkerId, check
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +37,10 @@ class GrayParams:
     min_peers: int = 2
 
     def __post_init__(self) -> None:
-        if not 1.0 < self.recover_factor < self.slow_factor:
-            raise ValueError(
-                f"need 1 < recover_factor < slow_factor, got {self.recover_factor} and {self.slow_factor}"
-            )
-        if self.min_peers < 1:
-            raise ValueError(f"min_peers must be >= 1, got {self.min_peers}")
+        check(self.slow_factor > 1, "slow_factor", self.slow_factor, "must be > 1")
+        ok = 1.0 < self.recover_factor < self.slow_factor
+        check(ok, "recover_factor", self.recover_factor, "must be > 1 and < slow_factor")
+        check(self.min_peers >= 1, "min_peers", self.min_peers, "must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

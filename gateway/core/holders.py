@@ -26,7 +26,7 @@ from typing import cast
 
 from gateway.core.load import SERVING, load_table
 from gateway.core.modes import PLACEMENTS, Placement
-from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
+from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView, check
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +34,16 @@ class HolderParams:
     load: LoadParams = field(default_factory=LoadParams)
     replicas: int = 1  # 2 survives the serving worker and one holder dying together
     exclude_failure_domain: bool = False
-    placement: Placement = "load_aware"
+    placement: Placement = Placement.LOAD_AWARE
 
     def __post_init__(self) -> None:
-        if self.replicas not in (1, 2):
-            raise ValueError(f"replicas must be 1 or 2, got {self.replicas}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        check(self.replicas in (1, 2), "replicas", self.replicas, "must be 1 or 2")
+        check(
+            self.placement in PLACEMENTS,
+            "placement",
+            self.placement,
+            f"must be one of {', '.join(PLACEMENTS)}",
+        )
 
 
 @functools.lru_cache(maxsize=4096)

@@ -9,16 +9,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from types import MappingProxyType
-from typing import Literal, get_args
 
-# where checkpoints go: least estimated load (Algorithm 1) or the next worker by id (DéjàVu)
-Placement = Literal["load_aware", "ring"]
-# how an interrupted request is resumed (Algorithm 2 and its alternatives, see dispatch.py)
-DispatchRule = Literal["threshold", "cost", "always_holder", "replay"]
+from gateway.core.types import check
 
-PLACEMENTS: tuple[str, ...] = get_args(Placement)
-DISPATCH_RULES: tuple[str, ...] = get_args(DispatchRule)
+
+class Placement(StrEnum):
+    """Where checkpoints go: least estimated load (Algorithm 1) or the next worker by id (DéjàVu)."""
+
+    LOAD_AWARE = "load_aware"
+    RING = "ring"
+
+
+class DispatchRule(StrEnum):
+    """How an interrupted request is resumed (Algorithm 2 and its alternatives, see dispatch.py)."""
+
+    THRESHOLD = "threshold"
+    COST = "cost"
+    ALWAYS_HOLDER = "always_holder"
+    REPLAY = "replay"
+
+
+PLACEMENTS: tuple[str, ...] = tuple(Placement)
+DISPATCH_RULES: tuple[str, ...] = tuple(DispatchRule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +52,18 @@ class RecoveryPolicy:
     draft_assist: bool
 
     def __post_init__(self) -> None:
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.dispatch not in DISPATCH_RULES:
-            raise ValueError(f"dispatch must be one of {DISPATCH_RULES}, got {self.dispatch!r}")
+        check(
+            self.placement in PLACEMENTS,
+            "placement",
+            self.placement,
+            f"must be one of {', '.join(PLACEMENTS)}",
+        )
+        check(
+            self.dispatch in DISPATCH_RULES,
+            "dispatch",
+            self.dispatch,
+            f"must be one of {', '.join(DISPATCH_RULES)}",
+        )
         if self.checkpointing and self.dispatch == "replay":
             # checkpoints nobody restores are pure overhead: a mode that writes them must read them
             raise ValueError(f"mode {self.name!r}: checkpointing with dispatch 'replay' restores nothing")
@@ -52,8 +74,8 @@ def _mode(
     *,
     failover: bool = True,
     checkpointing: bool = True,
-    placement: Placement = "load_aware",
-    dispatch: DispatchRule = "threshold",
+    placement: Placement = Placement.LOAD_AWARE,
+    dispatch: DispatchRule = DispatchRule.THRESHOLD,
     draft_assist: bool = True,
 ) -> RecoveryPolicy:
     return RecoveryPolicy(name, failover, checkpointing, placement, dispatch, draft_assist)
@@ -61,18 +83,20 @@ def _mode(
 
 _ALL = (
     # the client sees the failure (SGLang model gateway)
-    _mode("none", failover=False, checkpointing=False, dispatch="replay", draft_assist=False),
+    _mode("none", failover=False, checkpointing=False, dispatch=DispatchRule.REPLAY, draft_assist=False),
     # replay prompt + emitted ids on the least-loaded survivor (Dynamo's migration)
-    _mode("stop_restart", checkpointing=False, dispatch="replay", draft_assist=False),
+    _mode("stop_restart", checkpointing=False, dispatch=DispatchRule.REPLAY, draft_assist=False),
     # DéjàVu: the holder is the next worker by id and a request always resumes there
-    _mode("fixed_checkpoint", placement="ring", dispatch="always_holder", draft_assist=False),
+    _mode(
+        "fixed_checkpoint", placement=Placement.RING, dispatch=DispatchRule.ALWAYS_HOLDER, draft_assist=False
+    ),
     # all three mechanisms, the paper's threshold rule
     _mode("lumen"),
     _mode("lumen-no-draft", draft_assist=False),
-    _mode("lumen-fixed-placement", placement="ring"),
-    _mode("lumen-always-holder", dispatch="always_holder"),
+    _mode("lumen-fixed-placement", placement=Placement.RING),
+    _mode("lumen-always-holder", dispatch=DispatchRule.ALWAYS_HOLDER),
     # Lumen's own improvement: the cost-model dispatch rule instead of the threshold rule
-    _mode("lumen-cost", dispatch="cost"),
+    _mode("lumen-cost", dispatch=DispatchRule.COST),
 )
 
 MODES: Mapping[str, RecoveryPolicy] = MappingProxyType({p.name: p for p in _ALL})

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from gateway.core.health import SERVING_STATES, WorkerState
 from gateway.core.load import estimated_load
-from gateway.core.types import ClusterView, LoadParams, WorkerId
+from gateway.core.types import ClusterView, LoadParams, WorkerId, check
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +37,10 @@ class PairingParams:
     max_drafters_per_target: int = 1
 
     def __post_init__(self) -> None:
-        if not (self.hysteresis >= 0 and math.isfinite(self.hysteresis)):
-            raise ValueError(f"hysteresis must be a finite number >= 0, got {self.hysteresis}")
-        if self.max_drafters_per_target < 1:
-            raise ValueError(f"max_drafters_per_target must be >= 1, got {self.max_drafters_per_target}")
+        ok = self.hysteresis >= 0 and math.isfinite(self.hysteresis)
+        check(ok, "hysteresis", self.hysteresis, "must be a finite number >= 0")
+        n = self.max_drafters_per_target
+        check(n >= 1, "max_drafters_per_target", n, "must be >= 1")
 
 
 def draft_targets(

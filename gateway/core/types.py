@@ -11,6 +11,26 @@ from gateway.core.health import WorkerState
 WorkerId = str
 
 
+class ParamError(ValueError):
+    """A policy parameter out of its bounds; `field` names it, so a shell can name its own config key.
+
+    The core parameter dataclasses own every policy default and bound: config sections and simulator
+    scenarios take their defaults from them and validate by constructing them.
+    """
+
+    def __init__(self, field: str, value: object, why: str) -> None:
+        super().__init__(f"{field} = {value!r}: {why}")
+        self.field = field
+        self.value = value
+        self.why = why
+
+
+def check(ok: bool, field: str, value: object, why: str) -> None:
+    """Raise ParamError(field, value, why) unless `ok`."""
+    if not ok:
+        raise ParamError(field, value, why)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the gateway last saw it (from its Hello and heartbeats)."""
@@ -117,3 +137,8 @@ class LoadParams:
     alpha: float = 1.0
     beta: float = 1.0
     nominal_batch: int = 32
+
+    def __post_init__(self) -> None:
+        check(self.alpha >= 0, "alpha", self.alpha, "must be >= 0")
+        check(self.beta >= 0, "beta", self.beta, "must be >= 0")
+        check(self.nominal_batch >= 1, "nominal_batch", self.nominal_batch, "must be >= 1")

@@ -25,6 +25,8 @@ from gateway.protocol.versions import KV_PROTOCOL_VERSION
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 # bounds that keep a hostile header from asking for absurd allocations
+# tokens per KV page: the default of every engine, store, config and scenario (a worker reports its own)
+DEFAULT_PAGE_SIZE: Final = 64
 MAX_PAGES_PER_MESSAGE: Final = 1 << 16
 MAX_PAGE_SIZE: Final = 1 << 16
 

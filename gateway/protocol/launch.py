@@ -5,11 +5,34 @@ The supervisor builds it from the gateway config; a worker never parses the gate
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import msgspec
+
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 
 # the torch backend's built-in model shapes (worker_hooks/engine/torch_model.py PRESETS; a test keeps the
 # two lists equal), named here so the gateway can check its config without importing torch
 TORCH_PRESETS = ("tiny", "tiny-llama", "tiny-draft", "qwen3-0.6b", "qwen3-8b", "qwen3-32b")
+
+
+# requests a worker runs at once by default (also the nominal batch of the gateway's load estimate)
+DEFAULT_MAX_RUNNING_REQUESTS = 64
+
+
+class Backend(StrEnum):
+    """What computes a Lumen worker's steps."""
+
+    SYNTHETIC = "synthetic"  # the roofline cost model's timing, deterministic hashed tokens
+    TORCH = "torch"  # a real decoder over a paged KV cache
+
+
+class Eviction(StrEnum):
+    """What a full checkpoint store evicts (worker_hooks/kv/eviction.py)."""
+
+    NONE = "none"
+    SHORTEST_PREFIX_FIRST = "shortest_prefix_first"
+    LRU = "lru"
 
 
 class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -19,13 +42,13 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 0  # 0: the OS picks; the worker reports its URL in Hello
     control_address: str  # host:port of the gateway's gRPC control plane ("" = run unattached)
     control_token: str = ""
-    backend: str = "synthetic"
+    backend: Backend = Backend.SYNTHETIC
     model: str = "Qwen3-32B"
     gpu: str = "H100-80G"
     tp: int = 0  # 0: the model preset's default
     time_scale: float = 1.0  # modelled seconds x time_scale = wall seconds
-    page_size: int = 64
-    max_running_requests: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     chunked_prefill_size: int = 8192
     kv_capacity_tokens: int = 0  # 0: from the cost model
     # synthetic tokens are drawn from [token_lo, token_hi) (printable bytes for the byte tokenizer)
@@ -40,7 +63,7 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     failure_domain: str = ""
     # checkpoint store (holder side) and sender (serving side), DESIGN 4.4
     ckpt_budget_bytes: int = 0  # modelled bytes of host DRAM for other workers' KV pages
-    ckpt_eviction: str = "shortest_prefix_first"
+    ckpt_eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
     ckpt_orphan_ttl_s: float = 600.0
     # the synthetic backend sends real bytes = modelled bytes x this, so CPU tests stay small;
     # budgets and reported bytes stay in modelled units

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
-from collections.abc import Awaitable
-from typing import Protocol
 
 import aiohttp
 import structlog
@@ -20,31 +17,23 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.load import estimated_load
 from gateway.core.pairing import PairingParams
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.protocol.faults import FAULT_MODES, SLOWDOWN_RANGE, SPEED_MODES
-from gateway.server.api.auth import require_admin
-from gateway.server.api.errors import InvalidRequest, NotFound, UpstreamFailed, UpstreamRejected
+from gateway.server.admin import AdminAPI, FaultInjector
 from gateway.server.api.middleware import error_middleware
 from gateway.server.api.routes import add_client_routes
 from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.pairing import DraftCoordinator
+from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
 
 log = structlog.get_logger("lumen.gateway")
 
-
-
-class FaultInjector(Protocol):
-    """Implemented by the local cluster supervisor: what `/admin/workers/{id}/kill` calls."""
-
-    def kill(self, worker_id: str, mode: str) -> Awaitable[dict[str, object]]: ...
 
 
 class Gateway:
@@ -75,7 +64,7 @@ class Gateway:
             load=self.load_params,
             rule=self.policy.dispatch,
             theta=r.theta,
-            theta_mode="absolute" if r.theta_mode == "absolute" else "relative",
+            theta_mode=r.theta_mode,
             tau=r.tau,
         )
         self.checkpoints: CheckpointManager | None = None
@@ -93,6 +82,10 @@ class Gateway:
                 metrics=self.metrics,
             )
             self.control.heartbeat_hooks.append(self.checkpoints.on_heartbeat)
+            # a dead holder's checkpoints get new holders (the recovery coordinator's re-homing)
+            self.rehoming = Rehoming(
+                monitor=self.monitor, checkpoints=self.checkpoints, control=self.control, metrics=self.metrics
+            )
         self.assist: DraftCoordinator | None = None
         if self.policy.draft_assist:
             self.assist = DraftCoordinator(
@@ -117,6 +110,11 @@ class Gateway:
         self.http_port = 0
         self.control_port = 0
         self.started_at = time.monotonic()
+
+    @property
+    def http(self) -> aiohttp.ClientSession | None:
+        """The gateway's client session to workers (None until started)."""
+        return self._http
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -202,11 +200,7 @@ class Gateway:
         add_client_routes(app, config=self.config, tokenizer=self.tokenizer, generator=self.sessions)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/admin/workers", self.handle_workers)
-        app.router.add_post("/admin/workers/{id}/kill", self.handle_kill)
-        app.router.add_get("/admin/events", self.handle_events)
-        app.router.add_get("/admin/sessions", self.handle_sessions)
-        app.router.add_get("/admin/assist", self.handle_assist)
+        AdminAPI(self).add_routes(app)
         return app
 
     # -- handlers -------------------------------------------------------------------------------
@@ -244,146 +238,6 @@ class Gateway:
                 self.metrics.holder_balance.set(balance)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def handle_workers(self, request: web.Request) -> web.Response:
-        require_admin(request, self.config.gateway.admin_api_keys)
-        now = time.monotonic()
-        out = []
-        for w in sorted(self.monitor.workers.values(), key=lambda r: r.id):
-            out.append(
-                {
-                    "id": w.id,
-                    "state": w.state.value,
-                    "phase": w.phase.value,
-                    "incarnation": w.incarnation,
-                    "url": w.http_url,
-                    "pid": w.pid,
-                    "running": w.running,
-                    "waiting": w.waiting,
-                    "inflight": w.inflight,
-                    "kv_tokens_used": w.kv_tokens_used,
-                    "kv_capacity_tokens": w.kv_capacity_tokens,
-                    "completed_total": w.completed_total,
-                    "ckpt_bytes": w.ckpt_bytes,
-                    "ckpt_tokens": w.ckpt_tokens,
-                    "ckpt_bytes_sent_total": w.ckpt_bytes_sent_total,
-                    "ckpt_pages_evicted_total": w.ckpt_pages_evicted_total,
-                    "restores_total": w.restores_total,
-                    "restored_tokens_total": w.restored_tokens_total,
-                    "kv_endpoint": w.kv_endpoint,
-                    "draft_endpoint": w.draft_endpoint,
-                    "drafted_tokens": w.drafted_tokens,
-                    "accepted_tokens": w.accepted_tokens,
-                    "draft_rounds": w.draft_rounds,
-                    "drafting_for": next((t for d, t in self.assist.pairs.items() if d == w.id), None)
-                    if self.assist is not None
-                    else None,
-                    "load": round(estimated_load(w.view(), self.load_params), 4),
-                    "last_heartbeat_ms_ago": round(1000 * (now - w.last_heartbeat), 1),
-                    # the gateway's measured decode speed on this worker (gray-failure verdicts)
-                    "per_token_ms": round(1000 * w.per_token_s, 2) if w.per_token_at is not None else None,
-                    "failure_domain": w.failure_domain,
-                }
-            )
-        return web.json_response(out)
-
-    async def handle_kill(self, request: web.Request) -> web.Response:
-        require_admin(request, self.config.gateway.admin_api_keys)
-        wid = request.match_info["id"]
-        mode = request.query.get("mode", "kill")
-        if self.fault_injector is None:
-            raise NotFound("fault injection is only available on a local cluster (`lumen cluster up`)")
-        if mode not in FAULT_MODES:
-            raise InvalidRequest(f"mode must be one of {', '.join(FAULT_MODES)}, not {mode!r}", param="mode")
-        if mode in SPEED_MODES:
-            factor = _slowdown_factor(request.query.get("factor")) if mode == "slow" else 1.0
-            result = await self._set_slowdown(wid, mode, factor)
-        else:
-            result = await self.fault_injector.kill(wid, mode)
-        # on the same clock as /admin/events, so detection latency can be read off
-        result["at"] = round(time.monotonic() - self.started_at, 4)
-        return web.json_response(result)
-
-    async def _set_slowdown(self, wid: str, mode: str, factor: float) -> dict[str, object]:
-        """Forward a slow fault to the worker's own endpoint: only its engine can stretch its steps."""
-        rec = self.monitor.workers.get(wid)
-        if rec is None or self._http is None:
-            known = ", ".join(sorted(self.monitor.workers))
-            raise NotFound(f"no worker {wid!r} has attached; known: {known}")
-        url = f"{rec.http_url}/lumen/fault"
-        try:
-            # bounded: a hung (SIGSTOPped) worker never answers
-            async with self._http.post(
-                url,
-                json={"slowdown": factor},
-                timeout=aiohttp.ClientTimeout(total=self.config.timeouts.worker_connect_s),
-            ) as resp:
-                if resp.status != 200:
-                    raise UpstreamRejected(f"worker {wid} refused slowdown {factor}: {await resp.text()}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamFailed(f"worker {wid} did not take slowdown {factor} at {url}: {exc!r}") from exc
-        log.warning("fault_injected", worker=wid, pid=rec.pid, mode=mode, factor=factor)
-        return {"worker": wid, "pid": rec.pid, "mode": mode, "factor": factor, "t": time.time()}
-
-    async def handle_events(self, request: web.Request) -> web.Response:
-        require_admin(request, self.config.gateway.admin_api_keys)
-        return web.json_response(
-            [
-                {
-                    "t": round(e.t - self.started_at, 4),
-                    "worker": e.worker_id,
-                    "incarnation": e.incarnation,
-                    "from": e.src.value if e.src else None,
-                    "to": e.dst.value,
-                    "reason": e.reason,
-                }
-                for e in self.monitor.events
-            ]
-        )
-
-    async def handle_sessions(self, request: web.Request) -> web.Response:
-        require_admin(request, self.config.gateway.admin_api_keys)
-        if self.sessions is None:
-            raise NotFound("gateway not started")
-        out = []
-        for s in self.sessions.recent_interrupted:
-            for it in s.interruptions:
-                out.append(
-                    {
-                        "rid": s.job.rid,
-                        "worker": it.worker_id,
-                        "reason": it.reason,
-                        "t": round(it.at - self.started_at, 4),
-                        "emitted_before": it.emitted_before,
-                        "resumed_on": it.resumed_on,
-                        "action": it.action,
-                        "dispatch_reason": it.dispatch_reason,
-                        "restored_tokens": it.restored_tokens,
-                        "resume_delay_s": None if it.resume_delay is None else round(it.resume_delay, 4),
-                    }
-                )
-        return web.json_response({"live": len(self.sessions.live), "interrupted": out})
-
-    async def handle_assist(self, request: web.Request) -> web.Response:
-        require_admin(request, self.config.gateway.admin_api_keys)
-        if self.assist is None:
-            return web.json_response({"enabled": False, "pairs": {}, "events": []})
-        return web.json_response(
-            {
-                "enabled": True,
-                "pairs": self.assist.pairs,
-                "events": [
-                    {
-                        "t": round(e.t - self.started_at, 4),
-                        "drafter": e.drafter,
-                        "target": e.target,
-                        "started": e.started,
-                        "reason": e.reason,
-                    }
-                    for e in self.assist.events
-                ],
-            }
-        )
-
     # -- events -------------------------------------------------------------------------------
     def _on_state_change(self, ev: StateEvent) -> None:
         if ev.dst is WorkerState.FAILED:
@@ -391,17 +245,3 @@ class Gateway:
             rec = self.monitor.workers.get(ev.worker_id)
             if rec is not None:
                 self.metrics.detection_seconds.observe(max(0.0, ev.t - rec.last_heartbeat))
-
-
-def _slowdown_factor(raw: str | None) -> float:
-    """`factor` of `mode=slow`; a missing or out-of-range one is the client's error, never a default."""
-    lo, hi = SLOWDOWN_RANGE
-    try:
-        factor = float(raw) if raw is not None else math.nan
-    except ValueError:
-        factor = math.nan
-    if not lo <= factor <= hi:  # NaN (missing, not a number) fails too
-        raise InvalidRequest(
-            f"mode=slow needs factor, a number in [{lo:g}, {hi:g}]; got {raw!r}", param="factor"
-        )
-    return factor

@@ -1,15 +1,15 @@
 """The checkpoint manager: which workers hold which request's KV pages (DESIGN 3, 4.4, 6).
 
 It assigns holders with Algorithm 1 when an attempt starts (the serving worker then streams full pages
-to them), tracks the durable prefix each holder reports in its heartbeats, gives a request new holders
-when one dies (the serving worker re-sends the pages), and drops everything when the request ends.
+to them), tracks the durable prefix each holder reports in its heartbeats, keeps the books when a
+holder dies (the recovery coordinator's re-homing, recovery/rehoming.py, picks new holders), and
+drops everything when the request ends.
 Its accounting feeds the load estimate: a holder's checkpoint term is the larger of what it reports
 and what the gateway has assigned to it, so a burst of assignments between heartbeats stays balanced.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -23,7 +23,7 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import HolderRef
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.workers.control import ControlService
-from gateway.server.workers.monitor import LoadMonitor, StateEvent, WorkerRecord
+from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.checkpoints")
 
@@ -90,9 +90,6 @@ class CheckpointManager:
         self._base: ClusterView | None = None
         self._session_seq: dict[str, int] = {}
         self._next_seq = 0
-        # workers found FAILED and not yet handled: failures detected together are handled together
-        self._dead: list[str] = []
-        monitor.on_state_change.append(self._on_state_change)
 
     # -- the view the policies see --------------------------------------------------------------
     def view(self) -> ClusterView:
@@ -149,7 +146,7 @@ class CheckpointManager:
         for h in chosen:
             self.assigned_tokens[h] += expected
         self.metrics.ckpt_assignments.labels(outcome="assigned").inc()
-        return [self._ref(h) for h in chosen]
+        return [self.ref(h) for h in chosen]
 
     def interrupted(self, session_rid: str, failed: str, context: int, remaining: int) -> InterruptedRequest:
         """What dispatch needs: live holders of the session's checkpoints and the prefix they all have.
@@ -162,7 +159,7 @@ class CheckpointManager:
             ck = self.by_wrid.get(wrid)
             if ck is None or ck.abandoned or ck.retired:
                 continue
-            live = {h: t for h, t in ck.holders.items() if self._alive(h) and h != failed}
+            live = {h: t for h, t in ck.holders.items() if self.alive(h) and h != failed}
             if not live:
                 continue
             # with two holders, the prefix both have (dispatch may pick either)
@@ -215,7 +212,7 @@ class CheckpointManager:
             for h in ck.holders:
                 drops[h].append(wrid)
         for h, rids in drops.items():
-            if self._alive(h):
+            if self.alive(h):
                 self.control.send(h, pb.GatewayMessage(drop_checkpoint=pb.DropCheckpoint(rids=rids)))
 
     # -- feedback from workers ------------------------------------------------------------------
@@ -231,62 +228,32 @@ class CheckpointManager:
                 self.metrics.ckpt_assignments.labels(outcome="abandoned").inc()
                 log.warning("checkpoint_abandoned", rid=wrid, serving=rec.id, holders=list(ck.holders))
 
-    def _on_state_change(self, ev: StateEvent) -> None:
-        if ev.dst is not WorkerState.FAILED:
-            return
-        self._dead.append(ev.worker_id)
-        if len(self._dead) > 1:
-            return  # already scheduled
-        try:
-            # after the detector's pass: workers it finds dead in the same pass are all FAILED
-            # before any checkpoint is re-homed, so none is re-homed onto another dying worker
-            asyncio.get_running_loop().call_soon(self._handle_failed)
-        except RuntimeError:  # no event loop (synchronous use): at once
-            self._handle_failed()
+    # -- a holder died (recovery/rehoming.py decides what next) ---------------------------------
+    def held_by(self, dead: str) -> list[Checkpoint]:
+        """The checkpoints `dead` holds, oldest request first."""
+        return sorted((ck for ck in self.by_wrid.values() if dead in ck.holders), key=lambda c: c.seq)
 
-    def _handle_failed(self) -> None:
-        dead, self._dead = self._dead, []
-        for wid in dead:
-            self._holder_failed(wid)
+    def holder_lost(self, ck: Checkpoint, dead: str) -> bool:
+        """Take `dead` off `ck`'s holders and charges; True when `ck` needs a new holder (its serving
+        incarnation still streams, so it can re-send the pages)."""
+        del ck.holders[dead]
+        if ck.retired:
+            return False  # not charged any more, and nobody will restore from it
+        self.assigned_tokens[dead] = max(0, self.assigned_tokens.get(dead, 0) - ck.expected_tokens)
+        if ck.abandoned:
+            return False
+        serving = self.monitor.workers.get(ck.serving)
+        # otherwise the request itself is interrupted; dispatch uses the holders left
+        return (
+            serving is not None
+            and serving.incarnation == ck.serving_incarnation
+            and serving.state is WorkerState.HEALTHY
+        )
 
-    def _holder_failed(self, dead: str) -> None:
-        """Requests whose holder died get a new one, oldest request first; their serving worker
-        re-sends the pages."""
-        affected = sorted((ck for ck in self.by_wrid.values() if dead in ck.holders), key=lambda c: c.seq)
-        for ck in affected:
-            del ck.holders[dead]
-            if ck.retired:
-                continue  # not charged any more, and nobody will restore from it
-            self.assigned_tokens[dead] = max(0, self.assigned_tokens.get(dead, 0) - ck.expected_tokens)
-            if ck.abandoned:
-                continue
-            serving = self.monitor.workers.get(ck.serving)
-            if (
-                serving is None
-                or serving.incarnation != ck.serving_incarnation
-                or serving.state is not WorkerState.HEALTHY
-            ):
-                continue  # the request itself is interrupted; dispatch uses the holders left
-            alive = tuple(h for h in ck.holders if self._alive(h))
-            new = holder_policy.reassign_holders(
-                self.view(), ck.serving, alive, ck.expected_tokens * self.kv_bytes_per_token, self.params
-            )
-            if not new:
-                continue
-            for h in new:
-                ck.holders[h] = 0
-                self.assigned_tokens[h] += ck.expected_tokens
-            msg = pb.GatewayMessage(
-                assign_holder=pb.AssignHolder(
-                    rid=ck.wrid,
-                    holders=[
-                        pb.HolderTarget(worker_id=h, kv_endpoint=self._ref(h).kv_endpoint) for h in ck.holders
-                    ],
-                )
-            )
-            self.control.send(ck.serving, msg)
-            self.metrics.ckpt_assignments.labels(outcome="reassigned").inc()
-            log.info("holder_reassigned", rid=ck.wrid, dead=dead, new=list(new), serving=ck.serving)
+    def add_holders(self, ck: Checkpoint, new: tuple[str, ...]) -> None:
+        for h in new:
+            ck.holders[h] = 0
+            self.assigned_tokens[h] += ck.expected_tokens
 
     # -- metrics --------------------------------------------------------------------------------
     def coverage(self, live_wrids: list[str]) -> float | None:
@@ -296,14 +263,14 @@ class CheckpointManager:
         covered = 0
         for wrid in live_wrids:
             ck = self.by_wrid.get(wrid)
-            if ck is not None and not ck.abandoned and any(self._alive(h) for h in ck.holders):
+            if ck is not None and not ck.abandoned and any(self.alive(h) for h in ck.holders):
                 covered += 1
         return covered / len(live_wrids)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _alive(self, wid: str) -> bool:
+    def alive(self, wid: str) -> bool:
         w = self.monitor.workers.get(wid)
         return w is not None and w.state in (WorkerState.HEALTHY, WorkerState.SUSPECT)
 
-    def _ref(self, wid: str) -> HolderRef:
+    def ref(self, wid: str) -> HolderRef:
         return HolderRef(worker_id=wid, kv_endpoint=self.monitor.workers[wid].kv_endpoint)

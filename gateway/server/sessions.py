@@ -21,15 +21,16 @@ import structlog
 
 from gateway.config import RecoverySection
 from gateway.core.costmodel import CostModel
-from gateway.core.dispatch import DispatchParams, dispatch
+from gateway.core.dispatch import DispatchParams
 from gateway.core.modes import RecoveryPolicy, policy_for
-from gateway.core.router import choose_worker, routing_params
-from gateway.core.types import ClusterView, LoadParams
+from gateway.core.router import routing_params
+from gateway.core.types import LoadParams
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
-from gateway.server.api.errors import NoWorkerAvailable, Overloaded, UpstreamFailed, UpstreamRejected
+from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import GenerateJob, TokenDelta
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
@@ -116,6 +117,15 @@ class SessionManager:
         self.route_params = route_params or routing_params(load_params)
         self.metrics = metrics
         self.clock = clock
+        self.dispatcher = RecoveryDispatcher(
+            monitor=monitor,
+            route_params=self.route_params,
+            dispatch_params=self.dispatch_params,
+            no_worker_wait_s=recovery.no_worker_wait_s,
+            checkpoints=self.checkpoints,
+            cost=cost,
+            clock=clock,
+        )
         self.live: dict[str, Session] = {}
         # recently finished sessions with interruptions, for /admin/sessions and the demo
         self.recent_interrupted: deque[Session] = deque(maxlen=2000)
@@ -182,38 +192,15 @@ class SessionManager:
 
     async def _pick(self, s: Session, excluded: set[str]) -> WorkerRecord:
         """The worker for the next attempt: the router for the first, recovery dispatch afterwards."""
-        deadline = self.clock() + self.recovery.no_worker_wait_s
-        while True:
-            view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()
-            wid = self._dispatch(s, view, excluded)
-            if wid is None:
-                wid = choose_worker(view, self.route_params, exclude=excluded)
-            if wid is None and excluded:
-                # everything else is down: an excluded (stalled/refusing) worker beats no worker
-                excluded.clear()
-                wid = choose_worker(view, self.route_params)
-            if wid is not None:
-                return self.monitor.workers[wid]
-            left = deadline - self.clock()
-            if left <= 0 or not await self.monitor.wait_for_healthy(left):
-                raise NoWorkerAvailable(
-                    f"no healthy worker within {self.recovery.no_worker_wait_s:g} s "
-                    f"({len(s.emitted)} tokens were generated before)"
-                )
-
-    def _dispatch(self, s: Session, view: ClusterView, excluded: set[str]) -> str | None:
-        """Algorithm 2 for a request resuming after a failure: restore on a holder, or replay."""
-        if self.checkpoints is None or not s.interruptions or s.interruptions[-1].resumed_at is not None:
-            return None
-        it = s.interruptions[-1]
-        req = self.checkpoints.interrupted(
-            s.job.rid, it.worker_id, len(s.job.prompt_ids) + len(s.emitted), max(0, s.remaining)
-        )
-        decision = dispatch(view, req, self.dispatch_params, self.cost)
-        it.action, it.dispatch_reason = decision.action, decision.reason
-        if decision.worker is None or decision.worker in excluded:
-            return None
-        return decision.worker
+        it = s.interruptions[-1] if s.interruptions else None
+        resume = None
+        if it is not None and it.resumed_at is None:
+            context = len(s.job.prompt_ids) + len(s.emitted)
+            resume = Resume(s.job.rid, it.worker_id, context, max(0, s.remaining))
+        worker, decision = await self.dispatcher.pick(resume, excluded, len(s.emitted))
+        if it is not None and decision is not None:
+            it.action, it.dispatch_reason = decision.action, decision.reason
+        return worker
 
     async def _attempt(self, s: Session, worker: WorkerRecord) -> AsyncIterator[TokenDelta]:
         sp = s.job.sampling

@@ -8,20 +8,29 @@ racks are, so a worker's ring successor usually shares its domain).
 
 from __future__ import annotations
 
-import math
 import tomllib
-import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
+from gateway.config.convert import build
 from gateway.core.costmodel import GPUS, MODELS
-from gateway.core.holders import ring_key
+from gateway.core.dispatch import DispatchParams, ThetaMode
+from gateway.core.gray import GrayParams
+from gateway.core.holders import HolderParams, ring_key
+from gateway.core.pairing import PairingParams
+from gateway.core.types import LoadParams, ParamError
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
+from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
 
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
 GiB = 1024**3
+# policy defaults come from the core parameters that own them (as the live gateway's config does)
+_LOAD, _DISPATCH, _HOLDERS = LoadParams(), DispatchParams(), HolderParams()
+_PAIRING, _GRAY = PairingParams(), GrayParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +41,11 @@ class ClusterSpec:
     tp: int = 0  # 0: the model preset's default
     draft_model: str = "Qwen3-1.7B"
     failure_domains: int = 1
-    max_running_requests: int = 64  # batch limit, also the nominal batch of the load estimate
+    max_running_requests: int = (
+        DEFAULT_MAX_RUNNING_REQUESTS  # batch limit, also the nominal batch of the load estimate
+    )
     chunked_prefill_size: int = 8192
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     kv_capacity_tokens: int = 0  # 0: from the cost model
     ckpt_budget_bytes: int = 64 * GiB  # host DRAM per holder
     network_bw: float = 25e9  # bytes/s between workers (checkpoint pages); 200 Gb/s
@@ -71,15 +82,16 @@ class FailureSpec:
 class RecoverySpec:
     detection_s: float = 0.06
     restart: bool = True
-    alpha: float = 1.0
-    beta: float = 1.0
+    alpha: float = _LOAD.alpha
+    beta: float = _LOAD.beta
     route_by_checkpoint_load: bool = False  # route new requests by L̂ (the paper) instead of queue
-    theta: float = 2.0
-    theta_mode: Literal["relative", "absolute"] = "relative"
-    tau: int = 512
-    replicas: int = 1
-    exclude_failure_domain: bool = False  # applies to load-aware placement only (not the DéjàVu ring)
-    service_steps: int = 64
+    theta: float = _DISPATCH.theta
+    theta_mode: ThetaMode = _DISPATCH.theta_mode
+    tau: int = _DISPATCH.tau
+    replicas: int = _HOLDERS.replicas
+    # applies to load-aware placement only (not the DéjàVu ring)
+    exclude_failure_domain: bool = _HOLDERS.exclude_failure_domain
+    service_steps: int = _DISPATCH.service_steps
     no_worker_wait_s: float = 5.0
 
 
@@ -88,9 +100,9 @@ class GraySpec:
     """Gray-failure handling, as the live gateway's [gray] section (core/gray.py); off by default."""
 
     enabled: bool = False
-    slow_factor: float = 2.5
-    recover_factor: float = 1.5
-    min_peers: int = 2
+    slow_factor: float = _GRAY.slow_factor
+    recover_factor: float = _GRAY.recover_factor
+    min_peers: int = _GRAY.min_peers
     window_s: float = 5.0
     probation_s: float = 30.0
     migrate: bool = True
@@ -101,8 +113,8 @@ class DraftSpec:
     agreement: float = 0.7  # per-token acceptance rate a of the draft model
     k_min: int = 1
     k_max: int = 8
-    hysteresis: float = 0.25
-    max_drafters_per_target: int = 1
+    hysteresis: float = _PAIRING.hysteresis
+    max_drafters_per_target: int = _PAIRING.max_drafters_per_target
     # false (default): a drafted step costs only the verification of k extra tokens per request;
     # true: the target also waits, every step, for the drafter's k draft-model decode steps
     drafter_latency: bool = False
@@ -159,55 +171,21 @@ class ScenarioError(ValueError):
     """A scenario file that cannot be used; the message names the key."""
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin = get_origin(hint)
-    if origin is Literal:
-        if value not in get_args(hint):
-            raise ScenarioError(f"{where}: must be one of {get_args(hint)}, got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ScenarioError(f"{where}: must be a list of strings, got {value!r}")
-        return tuple(value)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ScenarioError(f"{where}: must be a number, got {value!r}")
-        return float(value)
-    if hint is int or hint is bool or hint is str:
-        if type(value) is not hint:
-            raise ScenarioError(f"{where}: must be {hint.__name__}, got {value!r}")
-        return value
-    raise ScenarioError(f"{where}: unsupported type {hint}")  # pragma: no cover - schema bug
+def _fail(key: str, value: object, why: str) -> NoReturn:
+    raise ScenarioError(f"{key}: {why}, got {value!r}")
 
 
-def _build(cls: type[Any], table: Any, where: str) -> Any:
-    if not isinstance(table, dict):
-        raise ScenarioError(f"{where}: must be a table")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ScenarioError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
-    kwargs = {}
-    for name, value in table.items():
-        key = f"{where}.{name}" if where else name
-        hint = hints[name]
-        if isinstance(hint, type) and is_dataclass(hint):
-            kwargs[name] = _build(hint, value, key)
-        elif name == "failures":
-            if not isinstance(value, list):
-                raise ScenarioError(f"{key}: must be an array of tables ([[failures]])")
-            kwargs[name] = tuple(_build(FailureSpec, v, f"{key}[{i}]") for i, v in enumerate(value))
-        else:
-            kwargs[name] = _coerce(value, hint, key)
-    return cls(**kwargs)
+def _core(section: str, make: Callable[[], object]) -> None:
+    """Bounds of policy parameters are the core's: build them, and name the scenario key on error."""
+    try:
+        make()
+    except ParamError as exc:
+        raise ScenarioError(f"{section}.{exc.field}: {exc.why}, got {exc.value!r}") from exc
 
 
 def parse_scenario(data: dict[str, Any], name: str = "unnamed") -> Scenario:
     data = {"name": name, **data}
-    scenario: Scenario = _build(Scenario, data, "")
+    scenario: Scenario = build(Scenario, data, "", _fail)
     validate(scenario)
     return scenario
 
@@ -234,20 +212,30 @@ def validate(s: Scenario) -> None:
             "workload.burst_cv, duration_s and trace_speedup must be > 0",
         ),
         (r.detection_s >= 0 and r.no_worker_wait_s >= 0, "recovery times must be >= 0"),
-        (r.replicas in (1, 2), "recovery.replicas must be 1 or 2"),
-        (r.theta >= 0 and r.tau >= 0, "recovery.theta and recovery.tau must be >= 0"),
         (0.0 <= d.agreement <= 1.0, "draft.agreement must be in [0, 1]"),
         (0 <= d.k_min <= d.k_max, "draft: need 0 <= k_min <= k_max"),
         (s.sample_s > 0, "sample_s must be > 0"),
-        (
-            1 < s.gray.recover_factor < s.gray.slow_factor and s.gray.min_peers >= 1,
-            "gray: need 1 < recover_factor < slow_factor and min_peers >= 1",
-        ),
         (0 < s.gray.window_s <= s.gray.probation_s, "gray: need 0 < window_s <= probation_s"),
     ]
     for ok, message in checks:
         if not ok:
             raise ScenarioError(message)
+    _core("recovery", lambda: LoadParams(r.alpha, r.beta, c.max_running_requests))
+    _core(
+        "recovery", lambda: HolderParams(replicas=r.replicas, exclude_failure_domain=r.exclude_failure_domain)
+    )
+    _core(
+        "recovery",
+        lambda: DispatchParams(
+            theta=r.theta, theta_mode=r.theta_mode, tau=r.tau, service_steps=r.service_steps
+        ),
+    )
+    _core(
+        "draft",
+        lambda: PairingParams(hysteresis=d.hysteresis, max_drafters_per_target=d.max_drafters_per_target),
+    )
+    g = s.gray
+    _core("gray", lambda: GrayParams(g.enabled, g.slow_factor, g.recover_factor, g.min_peers))
     ids = set(s.worker_ids)
     domains = {s.domain_of(i) for i in range(c.workers)}
     for i, f in enumerate(s.failures):

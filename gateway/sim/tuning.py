@@ -83,12 +83,12 @@ def tune(
         for beta in grid.betas:
             rec = replace(scenario.recovery, alpha=alpha, beta=beta)
             s_ab = replace(scenario, recovery=rec)
-            base = run(s_ab, "threshold", f"baseline α={alpha:g} β={beta:g}", failures=False)
+            base = run(s_ab, DispatchRule.THRESHOLD, f"baseline α={alpha:g} β={beta:g}", failures=False)
             cells: list[tuple[DispatchRule, float | None, int | None]] = []
             if "threshold" in grid.rules:
-                cells += [("threshold", t, u) for t in grid.thetas for u in grid.taus]
+                cells += [(DispatchRule.THRESHOLD, t, u) for t in grid.thetas for u in grid.taus]
             if "cost" in grid.rules:
-                cells.append(("cost", None, None))
+                cells.append((DispatchRule.COST, None, None))
             for rule, theta, tau in cells:
                 s = s_ab
                 if theta is not None and tau is not None:

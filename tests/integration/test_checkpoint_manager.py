@@ -9,6 +9,7 @@ from gateway.core.types import LoadParams
 from gateway.protocol import control_pb2 as pb
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
 
@@ -35,6 +36,7 @@ def make(n: int = 4, replicas: int = 1, budget: int = 10**9):
         metrics=GatewayMetrics(),
     )
     ctl.heartbeat_hooks.append(mgr.on_heartbeat)
+    Rehoming(monitor=mon, checkpoints=mgr, control=ctl, metrics=GatewayMetrics())
     recs = {}
     for i in range(n):
         hello = pb.Hello(

@@ -25,6 +25,7 @@ from gateway.server.api.jobs import GenerateJob, Sampling
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.pairing import DraftCoordinator
+from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.sessions import Interruption, Session, SessionManager
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
@@ -90,6 +91,7 @@ class LiveShell:
             metrics=GatewayMetrics(),
         )
         self.control.heartbeat_hooks.append(self.ckpt.on_heartbeat)
+        Rehoming(monitor=self.monitor, checkpoints=self.ckpt, control=self.control, metrics=GatewayMetrics())
         self.assist = DraftCoordinator(
             monitor=self.monitor,
             control=self.control,

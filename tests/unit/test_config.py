@@ -14,7 +14,7 @@ def test_default_file_matches_schema_defaults() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "why"),
     [
-        ("recovery.theta", -1, "must be > 0"),
+        ("recovery.theta", -1, "must be a finite number >= 0"),
         ("recovery.mode", "magic", "must be one of"),
         ("recovery.tau", "512", "must be an integer"),
         ("health.heartbeat_interval_ms", 0, "must be in 1..10000"),
@@ -74,3 +74,49 @@ def test_incompatible_draft_pair_is_refused_with_the_reason(tmp_path: Path) -> N
     with pytest.raises(ConfigError) as info:
         load_config(f)
     assert "draft.pairs[0]" in str(info.value) and "vocabulary" in str(info.value)
+
+
+def test_policy_defaults_and_bounds_have_one_home() -> None:
+    """The gateway's config and the simulator's scenarios take θ, τ, α, β, replicas, pairing and
+    gray-failure defaults from the core parameters, and refuse exactly what those refuse."""
+    from gateway.core.dispatch import DispatchParams
+    from gateway.core.gray import GrayParams
+    from gateway.core.holders import HolderParams
+    from gateway.core.pairing import PairingParams
+    from gateway.core.types import LoadParams
+    from gateway.protocol.kv import DEFAULT_PAGE_SIZE
+    from gateway.protocol.launch import EngineSpec
+    from gateway.sim.scenario import Scenario, ScenarioError, parse_scenario
+
+    cfg, sc = Config(), Scenario()
+    d, h, p, g, lp = DispatchParams(), HolderParams(), PairingParams(), GrayParams(), LoadParams()
+    for ours in (cfg.recovery, sc.recovery):
+        assert (ours.theta, ours.theta_mode, ours.tau) == (d.theta, d.theta_mode, d.tau)
+    assert (cfg.load.alpha, cfg.load.beta) == (sc.recovery.alpha, sc.recovery.beta) == (lp.alpha, lp.beta)
+    assert cfg.checkpoint.replicas == sc.recovery.replicas == h.replicas
+    assert cfg.recovery.placement == h.placement
+    assert (cfg.draft.hysteresis, sc.draft.hysteresis) == (p.hysteresis, p.hysteresis)
+    assert (cfg.gray.slow_factor, sc.gray.slow_factor) == (g.slow_factor, g.slow_factor)
+    page_sizes = {
+        cfg.engine.page_size,
+        sc.cluster.page_size,
+        EngineSpec(worker_id="w", control_address="").page_size,
+    }
+    assert page_sizes == {DEFAULT_PAGE_SIZE}
+    for theta, ok in ((0.0, True), (0.5, True), (-1.0, False), (float("inf"), False)):
+        try:
+            DispatchParams(theta=theta)
+            core_ok = True
+        except ValueError:
+            core_ok = False
+        try:
+            load_config(overrides={"recovery.theta": theta})
+            config_ok = True
+        except ConfigError:
+            config_ok = False
+        try:
+            parse_scenario({"workload": {"rate": 1.0}, "recovery": {"theta": theta}})
+            sim_ok = True
+        except ScenarioError:
+            sim_ok = False
+        assert core_ok == config_ok == sim_ok == ok, theta

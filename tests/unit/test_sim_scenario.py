@@ -40,8 +40,8 @@ def test_domains_are_contiguous_blocks() -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"cluster": {"workerz": 4}}, "cluster: unknown key"),
-        ({"cluster": {"workers": "4"}}, "cluster.workers: must be int"),
+        ({"cluster": {"workerz": 4}}, "cluster.workerz: unknown key"),
+        ({"cluster": {"workers": "4"}}, "cluster.workers: must be an integer"),
         ({"cluster": {"model": "GPT-5"}}, "cluster.model"),
         ({"workload": {"rate": 0.0}}, "rate"),
         ({"workload": {"rate": 1.0, "source": "csv"}}, "workload.source"),
@@ -50,6 +50,9 @@ def test_domains_are_contiguous_blocks() -> None:
         ({"workload": {"rate": 1.0}, "failures": [{"domain": "d7"}]}, "unknown domain"),
         ({"workload": {"rate": 1.0}, "failures": {"workers": ["w0"]}}, "array of tables"),
         ({"workload": {"rate": 1.0}, "draft": {"agreement": 1.5}}, "draft.agreement"),
+        ({"workload": {"rate": 1.0}, "recovery": {"theta": -1.0}}, "recovery.theta: must be a finite number >= 0"),
+        ({"workload": {"rate": 1.0}, "recovery": {"theta_mode": "rel"}}, "recovery.theta_mode: must be one of"),
+        ({"workload": {"rate": 1.0}, "recovery": {"replicas": 3}}, "recovery.replicas: must be 1 or 2"),
     ],
 )
 def test_bad_scenarios_name_the_key(data: dict[str, Any], message: str) -> None:

@@ -9,15 +9,12 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
 
+from gateway.protocol.launch import Eviction
 
-class Eviction(enum.Enum):
-    NONE = "none"
-    SHORTEST_PREFIX_FIRST = "shortest_prefix_first"
-    LRU = "lru"
+__all__ = ["Eviction", "eviction_order"]
 
 
 class Candidate(Protocol):

@@ -10,162 +10,28 @@ import asyncio
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import structlog
 
 from gateway.core import health
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
-from gateway.core.types import ClusterView, WorkerView
+from gateway.core.types import ClusterView
 from gateway.protocol import control_pb2 as pb
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
+from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
+from gateway.server.workers.records import (
+    AttachRefused,
+    Clock,
+    FailureCallback,
+    StateEvent,
+    WorkerRecord,
+    phase_of,
+)
 
 log = structlog.get_logger("lumen.monitor")
 
-Clock = Callable[[], float]
-FailureCallback = Callable[[str], None]
-
-_PHASES: dict[int, Phase] = {
-    pb.LOADING_DRAFT: Phase.LOADING_DRAFT,
-    pb.DRAFT_READY: Phase.DRAFT_READY,
-    pb.LOADING_FULL: Phase.LOADING_FULL,
-    pb.SERVING: Phase.SERVING,
-    pb.DRAINING: Phase.DRAINING,
-}
-
-
-def phase_of(value: int) -> Phase:
-    return _PHASES.get(value, Phase.LOADING_FULL)
-
-
-@dataclass(frozen=True, slots=True)
-class StateEvent:
-    t: float
-    worker_id: str
-    incarnation: int
-    src: WorkerState | None
-    dst: WorkerState
-    reason: str
-
-
-# the record fields a WorkerView is made of: writing one of them invalidates the record's view
-_VIEW_FIELDS = frozenset(
-    {
-        "id",
-        "state",
-        "incarnation",
-        "running",
-        "waiting",
-        "kv_tokens_used",
-        "kv_capacity_tokens",
-        "ckpt_tokens",
-        "ckpt_bytes",
-        "ckpt_budget_bytes",
-        "failure_domain",
-        "inflight",
-    }
-)
-
-
-@dataclass(slots=True)
-class WorkerRecord:
-    """Mutable per-worker record; only the monitor changes it (and sessions its `inflight`).
-
-    Its WorkerView is kept until a field it is made of is written (`__setattr__`); the first such
-    write after the view was made also puts the record on its monitor's list of changed records, so
-    the monitor's ClusterView is updated for those workers only.
-    """
-
-    id: str
-    incarnation: int
-    state: WorkerState
-    http_url: str
-    kv_endpoint: str = ""
-    draft_endpoint: str = ""
-    model: str = ""
-    pid: int = 0
-    kv_capacity_tokens: int = 1
-    ckpt_budget_bytes: int = 0
-    failure_domain: str = ""
-    page_size: int = 64
-    max_running_requests: int = 64
-    phase: Phase = Phase.SERVING
-    last_heartbeat: float = 0.0
-    heartbeats: int = 0
-    running: int = 0
-    waiting: int = 0
-    kv_tokens_used: int = 0
-    ckpt_bytes: int = 0
-    ckpt_tokens: int = 0
-    completed_total: int = 0
-    restored_tokens_total: int = 0
-    restores_total: int = 0
-    ckpt_bytes_sent_total: int = 0
-    ckpt_pages_evicted_total: int = 0
-    # draft assist, as a target: tokens drafted for it, accepted, and assisted steps
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_rounds: int = 0
-    # requests this gateway has in flight on the worker
-    inflight: int = 0
-    attached_at: float = 0.0
-    failed_at: float | None = None
-    # time per output token the gateway measures on this incarnation's streams (EWMA), and when
-    # it was last updated; DEGRADED since when (gray failures, core/gray.py)
-    per_token_s: float = 0.0
-    per_token_at: float | None = None
-    degraded_at: float | None = None
-    # decayed sums behind per_token_s (see LoadMonitor.observe_tokens)
-    token_seconds: float = 0.0
-    token_count: float = 0.0
-    token_sums_at: float | None = None
-    # called once when this incarnation fails; keyed by a subscription id
-    watchers: dict[int, FailureCallback] = field(default_factory=dict)
-    # set by the monitor to end the control stream of this incarnation
-    fence: asyncio.Event = field(default_factory=asyncio.Event)
-    # the WorkerView of the current fields (None: to be made), and where to report a change to it
-    _view: WorkerView | None = field(default=None, init=False, repr=False, compare=False)
-    _changed: list[WorkerRecord] | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        object.__setattr__(self, name, value)
-        if name in _VIEW_FIELDS:
-            try:
-                cached = self._view
-            except AttributeError:  # __init__ has not set it yet
-                return
-            if cached is not None:
-                object.__setattr__(self, "_view", None)
-                if self._changed is not None:
-                    self._changed.append(self)
-
-    def view(self) -> WorkerView:
-        if self._view is None:
-            object.__setattr__(self, "_view", self._make_view())
-        assert self._view is not None
-        return self._view
-
-    def _make_view(self) -> WorkerView:
-        reported = self.running + self.waiting
-        return WorkerView(
-            id=self.id,
-            state=self.state,
-            incarnation=self.incarnation,
-            running=self.running,
-            waiting=self.waiting,
-            kv_tokens_used=self.kv_tokens_used,
-            kv_capacity_tokens=max(1, self.kv_capacity_tokens),
-            ckpt_tokens=self.ckpt_tokens,
-            ckpt_bytes=self.ckpt_bytes,
-            ckpt_budget_bytes=self.ckpt_budget_bytes,
-            failure_domain=self.failure_domain,
-            # routed here but not yet visible in the worker's own report
-            pending=max(0, self.inflight - reported),
-        )
-
-
-class AttachRefused(Exception):
-    pass
+__all__ = ["AttachRefused", "LoadMonitor", "StateEvent", "WorkerRecord", "phase_of"]
 
 
 class LoadMonitor:
@@ -231,8 +97,8 @@ class LoadMonitor:
             kv_capacity_tokens=max(1, hello.kv_capacity_tokens),
             ckpt_budget_bytes=hello.ckpt_budget_bytes,
             failure_domain=hello.failure_domain,
-            page_size=hello.page_size or 64,
-            max_running_requests=hello.max_running_requests or 64,
+            page_size=hello.page_size or DEFAULT_PAGE_SIZE,
+            max_running_requests=hello.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
             phase=phase,
             last_heartbeat=now,
             attached_at=now,

@@ -21,7 +21,7 @@ TOKENIZER_FAMILIES: dict[str, str] = {
 
 
 class DraftError(ValueError):
-    """Base of draft_models' errors."""
+    """Base of the draft-pair errors."""
 
 
 class IncompatibleDraftError(DraftError):

@@ -1,0 +1,260 @@
+"""The gateway's configuration schema: one frozen dataclass per TOML section.
+
+Policy defaults (θ, τ, α, β, replicas, pairing, gray-failure factors) are read from the core parameter
+dataclasses that own them, wire defaults (page size, backends, eviction) from gateway.protocol; a
+section only adds what is the gateway's own (ports, limits, timeouts). Bounds live with the owner
+too: validate.py checks a section by building the core parameters from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gateway.core.dispatch import DispatchParams, ThetaMode
+from gateway.core.gray import GrayParams
+from gateway.core.holders import HolderParams
+from gateway.core.modes import DispatchRule, Placement, RecoveryPolicy, policy_for
+from gateway.core.pairing import PairingParams
+from gateway.core.types import LoadParams
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
+from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS, Backend, Eviction
+
+GiB = 1024**3
+
+_LOAD = LoadParams()
+_DISPATCH = DispatchParams()
+_HOLDERS = HolderParams()
+_PAIRING = PairingParams()
+_GRAY = GrayParams()
+
+
+class LogFormat(StrEnum):
+    CONSOLE = "console"
+    JSON = "json"
+
+
+class TokenizerKind(StrEnum):
+    BYTE = "byte"  # Lumen's byte vocabulary (synthetic workers)
+    HF = "hf"  # a HuggingFace tokenizer.json
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_host: str = "127.0.0.1"
+    control_port: int = 50151  # 0: the OS picks (local clusters)
+    served_model_name: str = "lumen-synthetic"
+    # bearer keys for the client API; empty: no auth. Also from LUMEN_API_KEYS (comma-separated).
+    api_keys: tuple[str, ...] = ()
+    # bearer keys for /admin; empty: admin is open on loopback only. Also from LUMEN_ADMIN_API_KEYS.
+    admin_api_keys: tuple[str, ...] = ()
+    # shared secret workers present in Hello; empty: none. Also from LUMEN_CONTROL_TOKEN.
+    control_token: str = ""
+    log_level: str = "info"
+    log_format: LogFormat = LogFormat.CONSOLE
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsSection:
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 32768
+    max_new_tokens: int = 8192  # upper bound on max_tokens a client may ask for
+    default_max_tokens: int = 256
+    max_concurrent_requests: int = 8192
+    max_n: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSection:
+    kind: TokenizerKind = TokenizerKind.BYTE
+    path: str = ""  # tokenizer.json for kind = "hf"
+    chat_template: str = ""  # path to a Jinja chat template; "": the built-in default
+    eos_token_ids: tuple[int, ...] = ()  # extra stop ids; the tokenizer's own EOS is always added
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSection:
+    preset: str = "Qwen3-32B"  # cost-model preset (gateway/core/costmodel.py)
+    gpu: str = "H100-80G"
+    tp: int = 0  # 0: the preset's default
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSection:
+    """Lumen's own workers (synthetic or torch backend)."""
+
+    backend: Backend = Backend.SYNTHETIC
+    time_scale: float = 1.0  # modelled seconds x time_scale = wall seconds
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS  # also the nominal batch size of the load estimate
+    chunked_prefill_size: int = 8192
+    kv_capacity_tokens: int = 0  # 0: from the cost model
+    model_load_s: float = -1.0  # < 0: from the cost model (weights / load bandwidth + start-up)
+    draft_load_s: float = -1.0  # restart: draft model load time; < 0: from the cost model
+    model_seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TorchSection:
+    """The torch backend's model (engine.backend = "torch"); [model] still names the cost-model preset
+    the gateway estimates load with."""
+
+    model: str = "tiny"  # a preset (tiny, tiny-llama, qwen3-8b, ...: random weights) or a HF folder
+    draft: str = "tiny-draft"  # a preset, a HF folder, "self:N" (the target's first N layers) or ""
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    threads: int = 1  # intra-op threads per worker process (0: torch's default)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSection:
+    heartbeat_interval_ms: int = 20
+    heartbeat_misses: int = 3
+    # when most workers go silent at once, the gateway is the likelier culprit: wait this long
+    correlated_silence_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSection:
+    alpha: float = _LOAD.alpha
+    beta: float = _LOAD.beta
+    # new requests go to the least queue (False) or the least L̂ with its checkpoint term (the paper)
+    route_by_checkpoint_load: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSection:
+    enabled: bool = True
+    budget_bytes: int = 64 * GiB  # per holder, host DRAM
+    replicas: int = _HOLDERS.replicas
+    eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
+    exclude_failure_domain: bool = _HOLDERS.exclude_failure_domain
+    orphan_ttl_s: float = 600.0
+    # the synthetic backend sends real bytes of modelled size x payload_scale (small on CPU)
+    payload_scale: float = 0.001
+    frame_bytes: int = 1024 * 1024  # group pages into frames of at least this size where possible
+    max_lag_bytes: int = 256 * 1024 * 1024  # sender queue per holder beyond which a checkpoint is abandoned
+
+
+@dataclass(frozen=True, slots=True)
+class GraySection:
+    """Gray failures: a worker far slower per token than its peers is DEGRADED (core/gray.py)."""
+
+    # off by default: in the simulator, excluding a slow worker cost more TTFT than it saved, because
+    # the queue-based router already gives it less work (docs/results.md, "Gray failures")
+    enabled: bool = False
+    slow_factor: float = _GRAY.slow_factor  # DEGRADED above this x the median time per token of its peers
+    recover_factor: float = _GRAY.recover_factor  # HEALTHY again below this x (hysteresis)
+    min_peers: int = _GRAY.min_peers  # measured peers needed for a verdict
+    window_s: float = 5.0  # a measurement older than this does not count
+    probation_s: float = 30.0  # an unmeasured DEGRADED worker gets requests again after this
+    check_interval_s: float = 0.5
+    migrate: bool = True  # move a degraded worker's running requests elsewhere (else they finish there)
+    half_life_s: float = 2.0  # the measured time per token forgets with this half-life
+    min_tokens: int = 32  # tokens a measurement needs before it counts
+
+    def params(self) -> GrayParams:
+        return GrayParams(self.enabled, self.slow_factor, self.recover_factor, self.min_peers)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverySection:
+    mode: str = (
+        "lumen"  # none | stop_restart | fixed_checkpoint | lumen | lumen-no-draft | ... (core/modes.py)
+    )
+    dispatch_rule: DispatchRule = _DISPATCH.rule  # threshold (the paper's) | cost
+    theta: float = _DISPATCH.theta
+    theta_mode: ThetaMode = _DISPATCH.theta_mode  # relative (x survivors' mean load) | absolute
+    tau: int = _DISPATCH.tau  # tokens
+    placement: Placement = _HOLDERS.placement  # load_aware | ring (ablation lumen-fixed-placement)
+    always_holder: bool = False  # ablation lumen-always-holder
+    draft_assist: bool = True  # ablation lumen-no-draft
+    max_attempts: int = 4  # worker attempts per request, the first included
+    first_token_timeout_s: float = 120.0
+    stall_timeout_s: float = 10.0  # between chunks once a stream has started
+    no_worker_wait_s: float = 5.0  # how long a request waits for a HEALTHY worker before failing
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPair:
+    target: str
+    draft: str
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSection:
+    pairs: tuple[DraftPair, ...] = (
+        DraftPair("Qwen3-32B", "Qwen3-1.7B"),
+        DraftPair("Qwen3-14B", "Qwen3-0.6B"),
+        DraftPair("Qwen3-8B", "Qwen3-0.6B"),
+        DraftPair("Llama-3-70B", "Llama-3.2-1B"),
+        DraftPair("Llama-3.1-8B", "Llama-3.2-1B"),
+    )
+    k_min: int = 1
+    k_max: int = 8
+    k_initial: int = 4
+    draft_timeout_ms: int = 30
+    agreement: float = 0.7  # synthetic draft/target per-token agreement probability
+    hysteresis: float = (
+        _PAIRING.hysteresis
+    )  # re-pair only if another target's load exceeds the current by this
+    max_drafters_per_target: int = _PAIRING.max_drafters_per_target
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutsSection:
+    worker_connect_s: float = 2.0
+    request_timeout_s: float = 3600.0
+    shutdown_grace_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSection:
+    workers: int = 3
+    failure_domains: int = 1
+    restart_killed: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    gateway: GatewaySection = field(default_factory=GatewaySection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    torch: TorchSection = field(default_factory=TorchSection)
+    health: HealthSection = field(default_factory=HealthSection)
+    load: LoadSection = field(default_factory=LoadSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    recovery: RecoverySection = field(default_factory=RecoverySection)
+    gray: GraySection = field(default_factory=GraySection)
+    draft: DraftSection = field(default_factory=DraftSection)
+    timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+def draft_for(pairs: tuple[DraftPair, ...], target: str) -> str | None:
+    """The draft model configured for `target` (draft.pairs), or None."""
+    return next((p.draft for p in pairs if p.target == target), None)
+
+
+def recovery_policy(cfg: Config) -> RecoveryPolicy:
+    """The recovery policy in force: the mode's own, with the ablation switches applied to `lumen`."""
+    r = cfg.recovery
+    base = policy_for(r.mode)
+    if r.mode != "lumen":
+        return base
+    return dataclasses.replace(
+        base,
+        placement=r.placement,
+        dispatch=DispatchRule.ALWAYS_HOLDER if r.always_holder else r.dispatch_rule,
+        draft_assist=r.draft_assist,
+        checkpointing=cfg.checkpoint.enabled,
+    )
