@@ -1,11 +1,35 @@
-"""DESIGN 2's dependency rules, checked on the source (an import-linter equivalent)."""
+"""The dependency rules of docs/design.md §2, checked on the source (an import-linter equivalent).
+
+Every import counts, lazy ones inside functions included; only `if TYPE_CHECKING:` blocks are left
+out of the module-cycle check (they never run), never out of the part rules.
+
+Parts and the one direction imports may go (a part may import itself and what it lists):
+
+    gateway.core, gateway.protocol              nothing of the project
+    gateway.config                              core, protocol
+    gateway.server                              core, protocol, config
+    gateway.sim                                 core, protocol, config
+    gateway.cluster                             core, protocol, config, server
+    gateway.cli                                 every gateway part, loadtests (lazily, for its commands)
+    models                                      core, protocol
+    draft_models                                core, protocol, models
+    worker_hooks                                core, protocol, models, draft_models
+    loadtests                                   core, protocol, config, sim, models, draft_models, worker_hooks
+"""
+
+from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TOP_PACKAGES = ("gateway", "models", "draft_models", "worker_hooks", "loadtests")
 IO_LIBS = {
     "asyncio",
     "aiohttp",
@@ -23,66 +47,281 @@ IO_LIBS = {
     "uvloop",
     "threading",
 }
+GATEWAY_PROCESS_FORBIDDEN = ("torch", "sglang", "safetensors", "worker_hooks", "draft_models", "models")
 
-
-# the worker side may use the wire schemas and the pure models it shares with the gateway: the cost
-# model, the Phase enum, and the speculation math (adaptive k) its target loop runs
+_CORE = {"gateway.core", "gateway.protocol"}
+ALLOWED: dict[str, set[str]] = {
+    "gateway.core": set(),
+    "gateway.protocol": set(),
+    "gateway.config": _CORE,
+    "gateway.server": _CORE | {"gateway.config"},
+    "gateway.sim": _CORE | {"gateway.config"},
+    "gateway.cluster": _CORE | {"gateway.config", "gateway.server"},
+    "gateway.cli": _CORE
+    | {"gateway.config", "gateway.server", "gateway.sim", "gateway.cluster", "loadtests"},
+    "models": _CORE,
+    "draft_models": _CORE | {"models"},
+    "worker_hooks": _CORE | {"models", "draft_models"},
+    "loadtests": _CORE | {"gateway.config", "gateway.sim", "models", "draft_models", "worker_hooks"},
+}
+# the worker side shares with the gateway only the wire schemas and these pure models: the cost
+# model, the Phase enum, the speculation math (adaptive k) and the draft-pair registry
 ALLOWED_ON_WORKERS = (
     "gateway.protocol",
     "gateway.core.costmodel",
     "gateway.core.health",
     "gateway.core.speculation",
+    "gateway.core.draftpairs",
 )
 
 
-def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    out: set[str] = set()
+@dataclass(frozen=True)
+class Import:
+    target: str  # the imported name, absolute (`from x import y` gives x and x.y)
+    type_only: bool  # inside `if TYPE_CHECKING:`
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_modules() -> dict[str, Path]:
+    return {
+        module_name(p): p for pkg in TOP_PACKAGES for p in (ROOT / pkg).rglob("*.py") if "_pb2" not in p.name
+    }
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    out: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     return out
 
 
-def modules(pkg: str) -> list[Path]:
-    return [p for p in (ROOT / pkg).rglob("*.py") if "_pb2" not in p.name]
+def imports_of(path: Path, module: str | None = None) -> list[Import]:
+    """Every import in the file, at any depth, relative ones made absolute."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = module or module_name(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    type_only = _type_checking_nodes(tree)
+    out: list[Import] = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            names = [mod, *(f"{mod}.{a.name}" for a in node.names)]
+        out.extend(Import(n, id(node) in type_only) for n in names)
+    return out
 
 
-def top(name: str) -> str:
-    return name.split(".")[0]
+def part_of(name: str) -> str | None:
+    s = name.split(".")
+    if s[0] == "gateway":
+        return f"gateway.{s[1]}" if len(s) > 1 and f"gateway.{s[1]}" in ALLOWED else None
+    return s[0] if s[0] in ALLOWED else None
 
 
-@pytest.mark.parametrize("path", modules("gateway/core"), ids=str)
+def _resolve(name: str, modules: Iterable[str]) -> str | None:
+    known = set(modules)
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in known:
+            return ".".join(parts[:i])
+    return None
+
+
+def module_graph(runtime_only: bool) -> dict[str, set[str]]:
+    mods = source_modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        for imp in imports_of(p, m):
+            if runtime_only and imp.type_only:
+                continue
+            r = _resolve(imp.target, mods)
+            if r is not None and r != m:
+                graph[m].add(r)
+    return graph
+
+
+def part_violations(graph: Mapping[str, Iterable[str]], allowed: Mapping[str, set[str]]) -> list[str]:
+    """Module edges that go between parts against `allowed`."""
+    bad = []
+    for a, targets in graph.items():
+        pa = part_of(a)
+        for b in targets:
+            pb = part_of(b)
+            if pa and pb and pa != pb and pb not in allowed.get(pa, set()):
+                bad.append(f"{a} -> {b} ({pa} may not import {pb})")
+    return sorted(bad)
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+# -- the rules on the tree --------------------------------------------------------------------------
+
+
+def test_every_module_belongs_to_a_part() -> None:
+    # `gateway/__init__.py` is the namespace of the gateway's parts and imports nothing
+    assert imports_of(ROOT / "gateway" / "__init__.py") == []
+    assert [m for m in source_modules() if m != "gateway" and not part_of(m)] == []
+
+
+def test_parts_import_one_way() -> None:
+    assert part_violations(module_graph(runtime_only=False), ALLOWED) == []
+
+
+def test_the_part_rules_have_no_cycle() -> None:
+    assert cycles({p: ALLOWED[p] for p in ALLOWED}) == []
+
+
+def test_no_module_import_cycle() -> None:
+    assert cycles(module_graph(runtime_only=True)) == []
+
+
+@pytest.mark.parametrize(
+    "path", [p for m, p in source_modules().items() if m.startswith("gateway.core")], ids=str
+)
 def test_core_is_pure(path: Path) -> None:
     for imp in imports_of(path):
-        assert top(imp) not in IO_LIBS, f"{path}: gateway.core must not import {imp}"
-        if top(imp) in ("gateway", "worker_hooks", "draft_models", "loadtests"):
-            assert imp.startswith("gateway.core"), f"{path}: gateway.core imports {imp}"
+        assert imp.target.split(".")[0] not in IO_LIBS, f"{path}: gateway.core must not import {imp.target}"
+        if part_of(imp.target):
+            assert imp.target.startswith("gateway.core"), f"{path}: gateway.core imports {imp.target}"
 
 
-@pytest.mark.parametrize("path", modules("gateway/protocol"), ids=str)
+@pytest.mark.parametrize(
+    "path", [p for m, p in source_modules().items() if m.startswith("gateway.protocol")], ids=str
+)
 def test_protocol_imports_nothing_else_from_the_project(path: Path) -> None:
     for imp in imports_of(path):
-        if top(imp) in ("gateway", "worker_hooks", "draft_models", "loadtests"):
-            assert imp.startswith("gateway.protocol"), f"{path}: gateway.protocol imports {imp}"
+        if part_of(imp.target):
+            assert imp.target.startswith("gateway.protocol"), f"{path}: gateway.protocol imports {imp.target}"
 
 
-@pytest.mark.parametrize("path", modules("gateway/server") + modules("gateway/sim"), ids=str)
+@pytest.mark.parametrize(
+    "path",
+    [p for m, p in source_modules().items() if m.startswith(("gateway.server", "gateway.sim"))],
+    ids=str,
+)
 def test_server_and_sim_do_not_import_each_other_or_heavy_libs(path: Path) -> None:
     other = "gateway.sim" if "server" in path.parts else "gateway.server"
     for imp in imports_of(path):
-        assert not imp.startswith(other), f"{path} imports {imp}"
-        assert top(imp) not in ("torch", "sglang", "worker_hooks"), (
-            f"{path}: the gateway process imports {imp}"
+        assert not imp.target.startswith(other), f"{path} imports {imp.target}"
+        assert imp.target.split(".")[0] not in GATEWAY_PROCESS_FORBIDDEN, (
+            f"{path}: the gateway process imports {imp.target}"
         )
 
 
-@pytest.mark.parametrize("path", modules("worker_hooks") + modules("draft_models"), ids=str)
-def test_worker_side_uses_only_protocol_and_cost_model(path: Path) -> None:
+@pytest.mark.parametrize(
+    "path",
+    [p for m, p in source_modules().items() if part_of(m) in ("worker_hooks", "draft_models", "models")],
+    ids=str,
+)
+def test_worker_side_uses_only_protocol_and_shared_models(path: Path) -> None:
     for imp in imports_of(path):
-        if imp.startswith("gateway."):
-            assert imp.startswith(ALLOWED_ON_WORKERS), f"{path}: worker side imports {imp}"
-        if "draft_models" in path.parts:
-            assert not imp.startswith("gateway.server"), f"{path} imports {imp}"
+        if imp.target.startswith("gateway."):
+            assert imp.target.startswith(ALLOWED_ON_WORKERS), f"{path}: worker side imports {imp.target}"
+
+
+def test_the_gateway_process_never_loads_the_worker_side() -> None:
+    """What `lumen gateway` and `lumen cluster up` import, statically (lazy imports included) and at run
+    time: no torch, sglang, worker_hooks, draft_models or models."""
+    graph = module_graph(runtime_only=False)
+    seen, todo = set(), ["gateway.server.runner", "gateway.cluster.run", "gateway.config"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    assert not [m for m in seen if m.split(".")[0] in GATEWAY_PROCESS_FORBIDDEN]
+    for m in seen:
+        for imp in imports_of(source_modules()[m], m):
+            assert imp.target.split(".")[0] not in GATEWAY_PROCESS_FORBIDDEN, f"{m} imports {imp.target}"
+    code = (
+        "import sys, gateway.server.runner, gateway.cluster.run, gateway.cli\n"
+        f"bad = [m for m in sys.modules if m.split('.')[0] in {GATEWAY_PROCESS_FORBIDDEN!r}]\n"
+        "print(','.join(sorted(bad)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+# -- the checker itself catches what it must -------------------------------------------------------
+
+
+def test_a_planted_back_edge_is_caught(tmp_path: Path) -> None:
+    graph = module_graph(runtime_only=False)
+    graph["gateway.core.load"] = {*graph["gateway.core.load"], "gateway.server.app"}
+    graph["gateway.protocol.kv"] = {*graph["gateway.protocol.kv"], "worker_hooks.kv.store"}
+    assert part_violations(graph, ALLOWED) == [
+        "gateway.core.load -> gateway.server.app (gateway.core may not import gateway.server)",
+        "gateway.protocol.kv -> worker_hooks.kv.store (gateway.protocol may not import worker_hooks)",
+    ]
+
+
+def test_a_lazy_import_counts_and_a_type_only_one_only_for_parts(tmp_path: Path) -> None:
+    f = tmp_path / "mod.py"
+    f.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from gateway.server.app import Gateway\n"
+        "def run():\n    from worker_hooks.engine import engine\n"
+    )
+    imps = imports_of(f, "gateway.core.mod")
+    assert Import("gateway.server.app", True) in imps and Import("worker_hooks.engine", False) in imps
+
+
+def test_a_planted_cycle_is_caught() -> None:
+    graph = module_graph(runtime_only=True)
+    graph["gateway.core.types"] = {*graph["gateway.core.types"], "gateway.core.dispatch"}
+    found = cycles(graph)
+    assert any({"gateway.core.types", "gateway.core.dispatch"} <= set(c) for c in found)
