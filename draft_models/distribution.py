@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker_hooks.engine.synthetic import Sampler, SyntheticModel
+from models.synthetic import Sampler, SyntheticModel
 
 # a residual with less total mass than this is the numerical remains of p == q
 _RESIDUAL_EPS = 1e-12

@@ -22,17 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, cast
+from typing import cast
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from draft_models.synthetic import DraftState, Proposal
+from draft_models.draft_model import DraftModel, DraftState
 from gateway.core.costmodel import CostModel, StepWork
 from gateway.protocol.draft import (
     DraftItem,
@@ -45,17 +44,9 @@ from gateway.protocol.draft import (
     encode_reply,
 )
 from gateway.protocol.generate import SamplingParams
-from worker_hooks.engine.synthetic import Sampler
+from models.synthetic import Sampler
 
 log = structlog.get_logger("lumen.draft.drafter")
-
-
-class DraftModel(Protocol):
-    def start(self, context: Sequence[int]) -> DraftState: ...
-
-    def sync(self, state: DraftState, tokens: Sequence[int]) -> None: ...
-
-    def propose(self, state: DraftState, k: int, sampler: Sampler, *, want_q: bool = False) -> Proposal: ...
 
 
 @dataclass(slots=True)

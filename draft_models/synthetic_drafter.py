@@ -21,31 +21,15 @@ speculative; the target's next sync carries what was really accepted.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from draft_models.distribution import Dist, mix, target_dist
+from draft_models.draft_model import DraftState, Proposal
 from draft_models.verify import Uniforms, Verdict, VerifyMode, verify_match, verify_rejection
-from worker_hooks.engine.synthetic import K_CANDIDATES, MASK64, Sampler, SyntheticModel, mix64
+from models.synthetic import K_CANDIDATES, MASK64, Sampler, SyntheticModel, mix64
 
 _AGREE_SALT = 0x4452_4146_5441_4752  # "DRAFTAGR"
 _OFF_SALT = 0x4452_4146_544F_4646  # "DRAFTOFF"
 _INV_2_64 = 1.0 / 18446744073709551616.0
-
-
-class DraftState:
-    """One request's drafting state: the context hash and length after the ids synced so far."""
-
-    __slots__ = ("h", "position")
-
-    def __init__(self, h: int, position: int) -> None:
-        self.h = h
-        self.position = position
-
-
-@dataclass(frozen=True, slots=True)
-class Proposal:
-    tokens: tuple[int, ...]
-    q: tuple[Dist, ...] | None  # per draft token, when asked for
 
 
 class SyntheticDrafter:

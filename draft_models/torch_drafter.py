@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from draft_models.synthetic import DraftState, Proposal
-from worker_hooks.engine.pages import pages_for
-from worker_hooks.engine.synthetic import Sampler
-from worker_hooks.engine.torch_model import BatchItem, CausalLM, PagedKVCache
-from worker_hooks.engine.torch_scheduler import sample_token
+from draft_models.draft_model import DraftState, Proposal
+from models.paging import pages_for
+from models.synthetic import Sampler
+from models.torch_kv_cache import PagedKVCache
+from models.torch_model import BatchItem, CausalLM
+from models.torch_sampling import sample_token
 
 PAGE_SIZE = 16
 

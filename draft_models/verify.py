@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from draft_models.distribution import Dist, residual
-from worker_hooks.engine.synthetic import GOLDEN, MASK64, Sampler, mix64
+from models.synthetic import GOLDEN, MASK64, Sampler, mix64
 
 _ACCEPT_SALT = 0x5350_4543_4143_4350  # "SPECACCP"
 _RESIDUAL_SALT = 0x5350_4543_5245_5344  # "SPECRESD"

@@ -1,15 +1,15 @@
-"""A compact Qwen3/Llama decoder in plain torch, over a paged KV cache.
+"""A compact Qwen3/Llama decoder in plain torch, over a paged KV cache (`torch_kv_cache`).
 
 The architecture is HuggingFace's Qwen3 (Llama plus a per-head RMSNorm on q and k): token embedding,
 pre-norm layers of grouped-query attention with rotate-half RoPE at absolute positions and a SwiGLU
 MLP, a final RMSNorm and the LM head (tied to the embedding when the config says so). RMSNorm runs
 in float32 and casts back, as HF does. Parameter names are HF's, so checkpoints load as they are.
 
-`PagedKVCache` holds, per layer, K and V as [num_pages, page_size, kv_heads, head_dim]; a request's
-page table lists its pages in position order, in any physical order. `CausalLM.forward_batch` is one
-continuous-batching step: every item's tokens go through one packed [T, hidden] pass (embedding,
-projections, norms, MLP), and per layer the new K/V are written into the items' pages before
-attention reads them back, so a step sees exactly what a later step will. Attention is
+`PagedKVCache` (torch_kv_cache.py) holds, per layer, K and V as [num_pages, page_size, kv_heads,
+head_dim]; a request's page table lists its pages in position order, in any physical order.
+`CausalLM.forward_batch` is one continuous-batching step: every item's tokens go through one packed
+[T, hidden] pass (embedding, projections, norms, MLP), and per layer the new K/V are written into the
+items' pages before attention reads them back, so a step sees exactly what a later step will. Attention is
 `scaled_dot_product_attention` in two shapes:
 - short items (at most `PADDED_MAX_TOKENS` tokens: decode, or a last token plus drafts) share one
   padded call per length bucket. Grouped-query heads are folded into the query axis
@@ -20,13 +20,12 @@ attention reads them back, so a step sees exactly what a later step will. Attent
 Items are independent: padding is masked, rows never mix, so an item's logits do not depend on its
 batch neighbours beyond float rounding. `forward_dense` is the cache-free reference for tests.
 
-The config, the presets and the weights (random, loaded, saved) are in `torch_weights`; they are
-re-exported here, so that this module is the one import point.
+The config and the presets are in `torch_config`; the weights (random, loaded, saved) in
+`torch_weights`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -36,134 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_hooks.engine.torch_weights import (
-    PRESETS,
-    ModelConfig,
-    load_model,
-    load_or_init,
-    parse_dtype,
-    random_model,
-    resolve_config,
-    save_model,
-)
-
-__all__ = [  # the config and weight functions live in torch_weights; this is the one import point
-    "PRESETS",
-    "BatchItem",
-    "CausalLM",
-    "ModelConfig",
-    "PagedKVCache",
-    "load_model",
-    "load_or_init",
-    "parse_dtype",
-    "random_model",
-    "resolve_config",
-    "save_model",
-]
+from models.torch_config import ModelConfig
+from models.torch_kv_cache import PagedKVCache
 
 PADDED_MAX_TOKENS = 16  # items up to this many tokens are attended in the padded batched call
-
-
-# -- KV cache ---------------------------------------------------------------------------------------
-class PagedKVCache:
-    """Per layer K and V tensors of shape [num_pages, page_size, num_kv_heads, head_dim]."""
-
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, *,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:  # fmt: skip
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
-        self.cfg, self.num_pages, self.page_size = cfg, num_pages, page_size
-        self.dtype, self.device, self.num_layers = dtype, torch.device(device), cfg.num_layers
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
-
-    @property
-    def page_nbytes(self) -> int:
-        """Bytes of one page over all layers, K and V."""
-        return self.page_size * self.cfg.kv_bytes_per_token(self.dtype)
-
-    def _index(self, page_ids: Sequence[int]) -> torch.Tensor:
-        ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages):
-            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {ids.min()}..{ids.max()}")
-        return torch.from_numpy(ids).to(self.device)
-
-    def _blocks_shape(self, n: int) -> tuple[int, ...]:
-        return (n, 2 * self.num_layers, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-
-    @torch.inference_mode()
-    def export_pages(self, page_ids: Sequence[int]) -> np.ndarray:
-        """The pages' bytes in host memory: per page, per layer in order, K then V (C-contiguous).
-
-        On CUDA the pages are gathered on the device, copied with non_blocking into a pinned host
-        buffer, and a CUDA event recorded after the copy is waited on before returning, so the bytes
-        are complete; the array is a view of that pinned buffer (which it keeps alive).
-        """
-        idx = self._index(page_ids)
-        blocks = torch.empty(self._blocks_shape(len(idx)), dtype=self.dtype, device=self.device)
-        for layer in range(self.num_layers):
-            blocks[:, 2 * layer] = self.k[layer].index_select(0, idx)
-            blocks[:, 2 * layer + 1] = self.v[layer].index_select(0, idx)
-        raw = blocks.view(torch.uint8).reshape(-1)  # bf16 has no numpy dtype: go through raw bytes
-        if self.device.type != "cuda":
-            return raw.cpu().numpy()
-        host = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(raw, non_blocking=True)
-        _wait_for_stream()
-        return host.numpy()
-
-    @torch.inference_mode()
-    def import_pages(self, page_ids: Sequence[int], data: bytes | memoryview | np.ndarray) -> None:
-        """Write bytes laid out as `export_pages` makes them into `page_ids`.
-
-        On CUDA the host bytes go to the device with non_blocking from pinned memory (the caller's
-        buffer when it is pinned, else a pinned staging copy); the call waits on a CUDA event after
-        the scatter, so the caller may reuse its buffer at once.
-        """
-        idx = self._index(page_ids)
-        arr = (
-            np.ascontiguousarray(data).reshape(-1)
-            if isinstance(data, np.ndarray)
-            else np.frombuffer(data, np.uint8)
-        )
-        arr = arr.view(np.uint8)
-        if arr.nbytes != len(idx) * self.page_nbytes:
-            raise ValueError(
-                f"import of {len(idx)} pages needs {len(idx) * self.page_nbytes} bytes, got {arr.nbytes}"
-            )
-        if arr.ctypes.data % 16:
-            arr = arr.copy()  # aligned for the dtype view below
-        with warnings.catch_warnings():  # read-only buffers: the tensor is only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            host = torch.from_numpy(arr)
-        if self.device.type == "cuda":
-            if not host.is_pinned():
-                host = torch.empty(arr.nbytes, dtype=torch.uint8, pin_memory=True).copy_(host)
-            raw = host.to(self.device, non_blocking=True)
-        else:
-            raw = host
-        blocks = raw.view(self.dtype).view(self._blocks_shape(len(idx)))
-        for layer in range(self.num_layers):
-            self.k[layer].index_copy_(0, idx, blocks[:, 2 * layer])
-            self.v[layer].index_copy_(0, idx, blocks[:, 2 * layer + 1])
-        if self.device.type == "cuda":
-            _wait_for_stream()
-
-    @torch.inference_mode()
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        if len(src) != len(dst):
-            raise ValueError(f"copy_pages: {len(src)} source pages but {len(dst)} destinations")
-        s, d = self._index(src), self._index(dst)
-        for t in (*self.k, *self.v):
-            t.index_copy_(0, d, t.index_select(0, s))
-
-
-def _wait_for_stream() -> None:
-    """Block until the work queued so far on the current CUDA stream is done (an event, not a device sync)."""
-    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    done.record()
-    done.synchronize()
 
 
 # -- model ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Measure the torch engine's costs on a GPU: the constants the cost model (gateway/core/costmodel.py) needs.
 
 Random weights of the real shapes (`--target qwen3-8b --draft qwen3-0.6b`, presets of
-worker_hooks/engine/torch_model.py), so nothing is downloaded. Every timing is the median of
+models/torch_config.py), so nothing is downloaded. Every timing is the median of
 `--repeats` runs after `--warmup` runs, with torch.cuda.synchronize() before and after each run.
 
   a) restore vs recompute per context: restore = import_pages of the context's pages from a pinned
@@ -44,17 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_hooks.engine.torch_model import (
-    BatchItem,
-    CausalLM,
-    ModelConfig,
-    PagedKVCache,
-    load_model,
-    load_or_init,
-    parse_dtype,
-    resolve_config,
-    save_model,
-)
+from models.torch_config import ModelConfig, parse_dtype, resolve_config
+from models.torch_kv_cache import PagedKVCache
+from models.torch_model import BatchItem, CausalLM
+from models.torch_weights import load_model, load_or_init, save_model
 
 FULL = {
     "target": "qwen3-8b",

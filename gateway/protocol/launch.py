@@ -11,7 +11,7 @@ import msgspec
 
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 
-# the torch backend's built-in model shapes (worker_hooks/engine/torch_model.py PRESETS; a test keeps the
+# the torch backend's built-in model shapes (models/torch_config.py PRESETS; a test keeps the
 # two lists equal), named here so the gateway can check its config without importing torch
 TORCH_PRESETS = ("tiny", "tiny-llama", "tiny-draft", "qwen3-0.6b", "qwen3-8b", "qwen3-32b")
 

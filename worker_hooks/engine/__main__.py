@@ -23,7 +23,7 @@ import structlog
 import uvloop
 
 from gateway.protocol.launch import EngineSpec, decode_spec
-from worker_hooks.engine.worker import start_worker
+from worker_hooks.engine.service import start_worker
 
 
 def configure_logging(level: str) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import structlog
 
-from draft_models.registry import check_pair
 from gateway.core.costmodel import CostModel
+from gateway.core.draftpairs import check_pair
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.engine.checkpointing import valid_endpoint
 from worker_hooks.engine.drafting import DrafterRole

@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from draft_models.drafter import DrafterServer, DraftModel
-from draft_models.synthetic import DraftState, Proposal, SyntheticDrafter
+from draft_models.draft_model import DraftModel, DraftState, Proposal
+from draft_models.drafter import DrafterServer
+from draft_models.synthetic_drafter import SyntheticDrafter
 from gateway.core.costmodel import CostModel
 from gateway.protocol.launch import EngineSpec
-from worker_hooks.engine.synthetic import Sampler
+from models.synthetic import Sampler
 
 if TYPE_CHECKING:
     from draft_models.torch_drafter import TorchDrafter
-    from worker_hooks.engine.torch_model import CausalLM
+    from models.torch_model import CausalLM
 
 log = structlog.get_logger(__name__)
 

@@ -2,7 +2,7 @@
 
 It owns the step loop and the model-load timer (both started by `start()` and awaited by `stop()`),
 the worker's incarnation and phase, the checkpointer (store, sender, restores), the draft-assist
-roles (assist.py) and one `RequestHandle` per live request. Each step sleeps until an absolute
+roles (draft_assist.py) and one `RequestHandle` per live request. Each step sleeps until an absolute
 deadline advanced by the modelled step time (times the slowdown a slow fault sets), so the CPU time
 the step itself took is not added on top, and timer granularity (uvloop rounds to 1 ms) evens out
 over steps. A step that admits a request with a restored prefix also pays the modelled
@@ -33,14 +33,14 @@ from gateway.core.health import Phase
 from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
+from models.synthetic import SyntheticModel
 from worker_hooks.engine import errors
-from worker_hooks.engine.assist import Assist
 from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
+from worker_hooks.engine.draft_assist import Assist
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.loading import load_plan
 from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Drafts, Emission, Scheduler, Seq, StepResult
-from worker_hooks.engine.synthetic import SyntheticModel
 from worker_hooks.engine.validation import validate
 
 log = structlog.get_logger(__name__)

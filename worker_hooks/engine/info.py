@@ -15,7 +15,7 @@ from importlib import metadata
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from worker_hooks.engine.server import WORKER, json_response
+from worker_hooks.engine.http import WORKER, json_response
 
 try:
     VERSION = metadata.version("lumen")

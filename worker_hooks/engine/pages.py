@@ -22,10 +22,6 @@ class _Owner:
     reserved: int = 0  # pages promised to this owner and not yet taken
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
 class PagePool:
     def __init__(self, capacity_tokens: int, page_size: int) -> None:
         if page_size < 1:

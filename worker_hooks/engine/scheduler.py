@@ -24,12 +24,13 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from draft_models.synthetic import verify_synthetic
+from draft_models.synthetic_drafter import verify_synthetic
 from draft_models.verify import mode_for
 from gateway.core.costmodel import StepWork
 from gateway.protocol.generate import FinishReason, SamplingParams
-from worker_hooks.engine.pages import PagePool, pages_for
-from worker_hooks.engine.synthetic import Sampler, SyntheticModel, finish_of, mix64
+from models.paging import pages_for
+from models.synthetic import Sampler, SyntheticModel, finish_of, mix64
+from worker_hooks.engine.pages import PagePool
 
 
 @dataclass(slots=True, eq=False)
@@ -198,7 +199,7 @@ class BatchScheduler:
 
 
 class Scheduler(BatchScheduler):
-    """The synthetic backend's scheduler: tokens come from the context hash (synthetic.py)."""
+    """The synthetic backend's scheduler: tokens come from the context hash (models/synthetic.py)."""
 
     def __init__(
         self, model: SyntheticModel, pool: PagePool, *, max_running: int, chunked_prefill_size: int

@@ -5,13 +5,13 @@ Streams send one SSE chunk per engine step carrying only that step's new ids (SG
 chunk carries the prefix restored from the checkpoint store (`restored_tokens`, `cached_tokens`).
 A request whose client goes away is aborted in the engine, so its KV pages are freed at once; its
 checkpoint stays with its holders (the gateway may resume it), while `/abort_request` drops it too.
-Discovery, load and metrics endpoints live in info.py.
+Discovery, load and metrics endpoints live in info.py, the OpenAI routes in openai_compat.py;
+service.py puts them on one app.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -30,14 +30,11 @@ from gateway.protocol.generate import (
 from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.errors import EngineError, InvalidRequest
 from worker_hooks.engine.handle import RequestHandle
+from worker_hooks.engine.http import WORKER, json_response
 from worker_hooks.engine.scheduler import Emission
-
-if TYPE_CHECKING:
-    from worker_hooks.engine.worker import Worker
 
 log = structlog.get_logger(__name__)
 
-WORKER: web.AppKey[Worker] = web.AppKey("worker")
 _abort_decoder = msgspec.json.Decoder(AbortRequest)
 
 
@@ -52,10 +49,6 @@ _fault_decoder = msgspec.json.Decoder(FaultRequest)
 
 def error_response(exc: EngineError) -> web.Response:
     return web.Response(status=exc.status, body=encode(exc.body()), content_type="application/json")
-
-
-def json_response(obj: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=encode(obj), content_type="application/json")
 
 
 def _chunk(engine: Engine, handle: RequestHandle, e: Emission, output_ids: list[int]) -> GenerateChunk:
@@ -170,7 +163,3 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/lumen/fault", fault)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)
-    # OpenAI /v1/completions and /v1/chat/completions; imported here, as openai_compat imports this module
-    from worker_hooks.engine import openai_compat
-
-    openai_compat.add_routes(app)

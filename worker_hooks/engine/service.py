@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.agent import Agent
-from worker_hooks.engine import info, server
+from worker_hooks.engine import info, openai_compat, server
 from worker_hooks.engine.engine import Engine
+from worker_hooks.engine.http import WORKER
 from worker_hooks.engine.metrics import make_registry
 
 log = structlog.get_logger(__name__)
@@ -54,8 +55,9 @@ class Worker:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024**2)
-        app[server.WORKER] = self
+        app[WORKER] = self
         server.add_routes(app)
+        openai_compat.add_routes(app)  # /v1/completions and /v1/chat/completions
         info.add_routes(app)
         return app
 

@@ -30,7 +30,7 @@ from typing import overload
 
 import structlog
 
-from draft_models.assist import DraftClient
+from draft_models.client import DraftClient
 from gateway.core.costmodel import CostModel, StepWork
 from gateway.core.speculation import AcceptanceEstimator, choose_k, expected_tokens_per_step
 from worker_hooks.engine.scheduler import Drafts, Seq, Verification

@@ -11,7 +11,7 @@ Everything blocking runs on one step thread owned here (`step`, `load_target_asy
 plane while a forward runs, and forwards never overlap. `run(plan)` first copies the restored prefixes' KV bytes into their pages, then runs the step's
 forward over every batch item, and reports the seconds each took. `export(seq, first, end)` reads a
 request's pages [first, end) out as one host buffer for the checkpoint sender: for each page, every
-layer's K block then V block (torch_model.PagedKVCache's layout), so a holder stores real KV bytes and
+layer's K block then V block (models/torch_kv_cache.py's layout), so a holder stores real KV bytes and
 a restore is their byte-for-byte copy back into any free pages.
 """
 
@@ -27,17 +27,13 @@ import structlog
 import torch
 
 from gateway.protocol.generate import SamplingParams
-from gateway.protocol.launch import EngineSpec
+from gateway.protocol.launch import Backend, EngineSpec
+from models.torch_config import ModelConfig, parse_dtype, resolve_config
+from models.torch_kv_cache import PagedKVCache
+from models.torch_model import CausalLM
+from models.torch_weights import load_or_init
 from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Drafts, Seq, StepResult
-from worker_hooks.engine.torch_model import (
-    CausalLM,
-    ModelConfig,
-    PagedKVCache,
-    load_or_init,
-    parse_dtype,
-    resolve_config,
-)
 from worker_hooks.engine.torch_scheduler import StepPlan, TorchScheduler, TorchSeq
 
 log = structlog.get_logger(__name__)
@@ -187,7 +183,7 @@ def expected_outputs(
     spec = EngineSpec(
         worker_id="reference",
         control_address="",
-        backend="torch",
+        backend=Backend.TORCH,
         torch_model=model,
         model_seed=model_seed,
         page_size=page_size,

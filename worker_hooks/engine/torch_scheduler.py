@@ -16,7 +16,7 @@ nothing allocates pages until the next `plan`, so the forward's writes into them
 owns yet. Admission, chunking and the page reservations are exactly the synthetic scheduler's.
 
 Tokens are sampled from the logits at absolute position p with the uniform of `(seed_base, p)`
-(`Sampler.uniform`), so a seeded request samples the same tokens on any worker, however the request
+(`Sampler.uniform`; `sample_token`, models/torch_sampling.py), so a seeded request samples the same tokens on any worker, however the request
 was split across attempts, restores and steps. Drafts are verified by exact match against the
 target's own greedy or seeded tokens (draft_models/verify.py), so assisted output is token for token
 plain decoding's.
@@ -33,7 +33,10 @@ import torch
 from draft_models.verify import verify_match
 from gateway.core.costmodel import StepWork
 from gateway.protocol.generate import FinishReason, SamplingParams
-from worker_hooks.engine.pages import pages_for
+from models.paging import pages_for
+from models.synthetic import Sampler
+from models.torch_model import BatchItem
+from models.torch_sampling import sample_token
 from worker_hooks.engine.scheduler import (
     BatchScheduler,
     Drafts,
@@ -42,8 +45,6 @@ from worker_hooks.engine.scheduler import (
     StepResult,
     Verification,
 )
-from worker_hooks.engine.synthetic import Sampler
-from worker_hooks.engine.torch_model import BatchItem
 
 
 @dataclass(slots=True, eq=False)
@@ -83,29 +84,6 @@ class StepPlan:
     @property
     def items(self) -> list[BatchItem]:
         return [w.item for w in self.works]
-
-
-def sample_token(logits: torch.Tensor, sampler: Sampler, position: int) -> int:
-    """The token at absolute `position` from its logits ([vocab], float32): argmax when greedy, else
-    temperature, top-k (0: off) and top-p, then the CDF inverted at the uniform for `position`."""
-    if sampler.greedy:
-        return int(torch.argmax(logits))
-    x = logits.to(torch.float64) / sampler.temperature
-    top_k = sampler.top_k
-    if 0 < top_k < x.numel():
-        vals, idx = torch.topk(x, top_k)  # sorted, largest first
-    else:
-        vals, idx = torch.sort(x, descending=True, stable=True)
-    probs = torch.softmax(vals, dim=0)
-    cdf = torch.cumsum(probs, dim=0)
-    keep = cdf.numel()
-    if sampler.top_p < 1.0:
-        # the shortest prefix whose mass reaches top_p (at least one token)
-        keep = min(keep, int(torch.searchsorted(cdf, torch.tensor(sampler.top_p, dtype=cdf.dtype))) + 1)
-    total = float(cdf[keep - 1])
-    target = torch.tensor(sampler.uniform(position) * total, dtype=cdf.dtype)
-    i = min(int(torch.searchsorted(cdf[:keep], target, right=True)), keep - 1)
-    return int(idx[i])
 
 
 class TorchScheduler(BatchScheduler):
