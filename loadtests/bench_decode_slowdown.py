@@ -35,7 +35,7 @@ import uvloop
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.worker import Worker, start_worker
+from worker_hooks.engine.service import Worker, start_worker
 
 MODEL, GPU = "Qwen3-8B", "H100-80G"
 

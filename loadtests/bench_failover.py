@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/bench_failover.json")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    from gateway.cli import parse_set
+    from gateway.config import parse_set
 
     overrides = {
         "engine.time_scale": 0.5,

@@ -55,6 +55,7 @@ from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams, InterruptedRequest, dispatch
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, choose_holders, with_assignment
+from gateway.core.modes import DispatchRule, Placement
 from gateway.core.router import choose_worker
 from gateway.core.types import ClusterView, LoadParams, WorkerView
 
@@ -169,8 +170,8 @@ def row_makers(
         changed = dataclasses.replace(w, pending=w.pending + 1)  # one more request routed there
         return lambda: fleet.view.with_workers((changed,))
 
-    def dispatching(rule: str, cold: bool = False) -> Callable[[], Thunk]:
-        params = DispatchParams(load=load, rule=rule)  # type: ignore[arg-type]
+    def dispatching(rule: DispatchRule, cold: bool = False) -> Callable[[], Thunk]:
+        params = DispatchParams(load=load, rule=rule)
 
         def make() -> Thunk:
             # a failure: `failed` is FAILED; one of its in-flight requests resumes elsewhere
@@ -202,14 +203,14 @@ def row_makers(
         "holders+assign r=2 domains": assigning(
             HolderParams(load=load, replicas=2, exclude_failure_domain=True)
         ),
-        "holders+assign ring": assigning(HolderParams(load=load, placement="ring")),
+        "holders+assign ring": assigning(HolderParams(load=load, placement=Placement.RING)),
         "view_rebuild": view_rebuild,
-        "dispatch/threshold": dispatching("threshold"),
-        "dispatch/cost": dispatching("cost"),
-        "dispatch/always_holder": dispatching("always_holder"),
+        "dispatch/threshold": dispatching(DispatchRule.THRESHOLD),
+        "dispatch/cost": dispatching(DispatchRule.COST),
+        "dispatch/always_holder": dispatching(DispatchRule.ALWAYS_HOLDER),
         # context rows (CONTEXT_ROWS)
         "view_update": view_update,
-        "dispatch/threshold cold view": dispatching("threshold", cold=True),
+        "dispatch/threshold cold view": dispatching(DispatchRule.THRESHOLD, cold=True),
     }
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from gateway.protocol.generate import SamplingParams
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
-from worker_hooks.engine.synthetic import expected_output
+from models.synthetic import expected_output
 
 # the demo runs modelled GPU time at 2x real speed; a restart loads its draft model in 2 modelled s and
 # its full model in 10; 16-token KV pages (default 64) so the demo's short prompts fill pages quickly
@@ -239,8 +239,7 @@ def summarize(wl: Workload, out: dict[str, Any], mode: str, expected: list[str] 
 
 
 def main(args: argparse.Namespace) -> int:
-    from gateway.cli import parse_set
-    from gateway.config import load_config
+    from gateway.config import load_config, parse_set
 
     overrides = {**DEMO_OVERRIDES, **parse_set(args.set)}
     cfg = load_config(args.config, overrides)

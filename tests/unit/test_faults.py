@@ -18,7 +18,7 @@ from loadtests.faults import (
     parse_fault,
     resolve_group,
 )
-from loadtests.sidebyside import build_schedule
+from loadtests.sidebyside.drive import build_schedule
 
 
 def worker(

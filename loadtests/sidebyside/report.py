@@ -1,0 +1,113 @@
+"""The side-by-side report: per-mode metrics (`gateway.core.evaluation`, as the simulator) and the files
+summary.json, summary.md and timelines.json; the plots are loadtests/sidebyside/plots.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gateway.core import evaluation as ev
+from loadtests.faults import FaultSchedule
+from loadtests.sidebyside.plots import plot_timelines
+
+
+def summarize(
+    failed: list[ev.RequestRecord], base: list[ev.RequestRecord], failure_at: float
+) -> dict[str, Any]:
+    rec = ev.recovery_time(failed, base, failure_at, "ttft")
+    rec_tpot = ev.recovery_time(failed, base, failure_at, "tpot")
+    impact = ev.failure_impact(failed, failure_at, rec)
+    out = ev.outcomes(failed)
+    return {
+        "ttft_mean_s": ev.mean_metric(failed, "ttft"),
+        "tpot_mean_s": ev.mean_metric(failed, "tpot"),
+        "recovery_time_s": rec,
+        "recovery_time_tpot_s": rec_tpot,
+        "impact_ttft_mean_s": impact.mean_ttft,
+        "impact_tpot_mean_s": impact.mean_tpot,
+        "impact_requests": impact.requests,
+        "client_errors": out.errors,
+        "requests": out.total,
+        "interrupted": out.interrupted,
+        "no_failure_ttft_mean_s": ev.mean_metric(base, "ttft"),
+        "no_failure_tpot_mean_s": ev.mean_metric(base, "tpot"),
+    }
+
+
+def first_fault_at(fired: list[dict[str, Any]], schedule: FaultSchedule) -> float:
+    """When the first fault struck (recovery is measured from there); the planned time if none did."""
+    struck = [f["t"] for f in fired if f["ok"] and f["undo_of"] is None]
+    return min(struck) if struck else float(schedule.first_at or 0.0)
+
+
+def fmt(v: object) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def write_report(
+    out: Path,
+    summary: dict[str, Any],
+    series: dict[str, list[ev.RequestRecord]],
+    failure_at: float,
+    timelines: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """summary.json, summary.md, timelines.json and (with matplotlib) timeline.png + queues-MODE.png.
+
+    `timelines` is keyed like `series`: per run its polled worker `queue`, the `faults` fired, and for
+    faulted runs `failure_at` and `recovery_time_s`."""
+    timelines = timelines or {}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if timelines:
+        (out / "timelines.json").write_text(json.dumps(timelines))
+    modes = summary["modes"]
+    cols = [
+        "ttft_mean_s",
+        "tpot_mean_s",
+        "recovery_time_s",
+        "impact_ttft_mean_s",
+        "impact_tpot_mean_s",
+        "client_errors",
+        "interrupted",
+        "restores",
+        "replays",
+        "restored_tokens",
+    ]
+    lines = ["| mode | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for m, row in modes.items():
+        lines.append(f"| {m} | " + " | ".join(fmt(row.get(c)) for c in cols) + " |")
+    ref = modes.get("stop_restart")
+    if ref:
+        lines += [
+            "",
+            "Ratios to stop_restart (lower is better):",
+            "",
+            "| mode | TTFT | TPOT | recovery | impact TTFT |",
+            "|---|---|---|---|---|",
+        ]
+        for m, row in modes.items():
+
+            def ratio(k: str, row: dict[str, Any] = row) -> str:
+                a, b = row.get(k), ref.get(k)
+                return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) and b > 0 else "–"
+
+            lines.append(
+                f"| {m} | {ratio('ttft_mean_s')} | {ratio('tpot_mean_s')} | {ratio('recovery_time_s')} | "
+                f"{ratio('impact_ttft_mean_s')} |"
+            )
+    fired = [
+        f"| {m} | {f['t']:.2f} | {f['mode']} | {f['target']} | {f['worker'] or '–'} | "
+        f"{'ok' if f['ok'] else f['error']} |"
+        for m, row in modes.items()
+        for f in row.get("faults", [])
+    ]
+    if fired:
+        lines += ["", "Faults fired (s into the load):", "", "| run | t | fault | target | worker | result |"]
+        lines += ["|---|---|---|---|---|---|", *fired]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    plot_timelines(out, summary, series, failure_at, timelines)
