@@ -60,6 +60,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         extra["gateway.port"] = args.port
     if args.control_port is not None:
         extra["gateway.control_port"] = args.control_port
+    if args.sglang_url:
+        extra["sglang.workers"] = [{"url": u} for u in args.sglang_url]
     cfg = _load(args, extra)
     configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
     _run(run_gateway(cfg))
@@ -176,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--port", type=int)
     p.add_argument("--control-port", type=int)
+    p.add_argument(
+        "--sglang-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an unmodified SGLang server to drive (repeatable; also [[sglang.workers]] url = ...)",
+    )
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser(

@@ -25,6 +25,8 @@ from gateway.config.sections import (
     LogFormat,
     ModelSection,
     RecoverySection,
+    SGLangSection,
+    SGLangWorker,
     TimeoutsSection,
     TokenizerKind,
     TokenizerSection,
@@ -32,7 +34,7 @@ from gateway.config.sections import (
     draft_for,
     recovery_policy,
 )
-from gateway.config.validate import validate
+from gateway.config.validate import sglang_worker_id, validate
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -51,6 +53,8 @@ __all__ = [
     "LogFormat",
     "ModelSection",
     "RecoverySection",
+    "SGLangSection",
+    "SGLangWorker",
     "TimeoutsSection",
     "TokenizerKind",
     "TokenizerSection",
@@ -60,6 +64,7 @@ __all__ = [
     "load_config",
     "parse_set",
     "recovery_policy",
+    "sglang_worker_id",
     "validate",
     "with_overrides",
 ]

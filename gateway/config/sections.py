@@ -90,7 +90,9 @@ class EngineSection:
     backend: Backend = Backend.SYNTHETIC
     time_scale: float = 1.0  # modelled seconds x time_scale = wall seconds
     page_size: int = DEFAULT_PAGE_SIZE
-    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS  # also the nominal batch size of the load estimate
+    max_running_requests: int = (
+        DEFAULT_MAX_RUNNING_REQUESTS  # also the nominal batch size of the load estimate
+    )
     chunked_prefill_size: int = 8192
     kv_capacity_tokens: int = 0  # 0: from the cost model
     model_load_s: float = -1.0  # < 0: from the cost model (weights / load bandwidth + start-up)
@@ -220,6 +222,21 @@ class ClusterSection:
 
 
 @dataclass(frozen=True, slots=True)
+class SGLangWorker:
+    """One unmodified SGLang server the gateway drives itself (agentless; docs/sglang.md)."""
+
+    url: str = ""  # http://host:port of `python -m sglang.launch_server`
+    id: str = ""  # worker id; "": sglang-<index>
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangSection:
+    workers: tuple[SGLangWorker, ...] = ()
+    # the gateway polls each server's /ready and /v1/loads this often; the answers are its heartbeats
+    poll_interval_ms: int = 50
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     gateway: GatewaySection = field(default_factory=GatewaySection)
     limits: LimitsSection = field(default_factory=LimitsSection)
@@ -235,6 +252,7 @@ class Config:
     draft: DraftSection = field(default_factory=DraftSection)
     timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    sglang: SGLangSection = field(default_factory=SGLangSection)
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)

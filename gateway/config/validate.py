@@ -59,6 +59,7 @@ def validate(cfg: Config) -> None:
     _gray(cfg)
     _draft(cfg)
     _timeouts_and_cluster(cfg)
+    _sglang(cfg)
 
 
 def _gateway(cfg: Config) -> None:
@@ -236,3 +237,30 @@ def _timeouts_and_cluster(cfg: Config) -> None:
         cl.failure_domains,
         "must be in 1..cluster.workers",
     )
+
+
+def _sglang(cfg: Config) -> None:
+    s = cfg.sglang
+    _check(
+        5 <= s.poll_interval_ms <= 10_000,
+        "sglang.poll_interval_ms",
+        s.poll_interval_ms,
+        "must be in 5..10000",
+    )
+    ids: set[str] = set()
+    for i, w in enumerate(s.workers):
+        key = f"sglang.workers[{i}]"
+        _check(
+            re.fullmatch(r"https?://[^/\s]+(/[^\s]*)?", w.url) is not None,
+            f"{key}.url",
+            w.url,
+            "must be an http:// or https:// URL of an SGLang server",
+        )
+        wid = sglang_worker_id(i, w.id)
+        _check(wid not in ids, f"{key}.id", wid, "duplicate worker id")
+        ids.add(wid)
+
+
+def sglang_worker_id(index: int, given: str) -> str:
+    """The worker id of the index-th configured SGLang server."""
+    return given or f"sglang-{index}"

@@ -6,11 +6,23 @@ token ids: it tokenizes itself because it must know the prompt ids to resume a r
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 import msgspec
 
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
+
+
+class EngineKind(StrEnum):
+    """What serves a worker's data path (`Hello.engine`)."""
+
+    LUMEN = "lumen"  # Lumen's worker server: takes the `lumen` extension below
+    SGLANG = "sglang"  # an unmodified SGLang server: gateway.protocol.sglang
+
+    @classmethod
+    def of(cls, hello_engine: str) -> EngineKind:
+        return cls(hello_engine) if hello_engine else cls.LUMEN
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -57,11 +69,12 @@ FinishType = Literal["length", "stop", "abort"]
 
 
 class FinishReason(msgspec.Struct, omit_defaults=True):
-    """SGLang's finish reason object: `{"type": "length", "length": n}` or `{"type": "stop", "matched": id}`."""
+    """SGLang's finish reason object: `{"type": "length", "length": n}` or `{"type": "stop", "matched": id}`
+    (SGLang puts the matched stop string there when a string matched)."""
 
     type: FinishType
     length: int | None = None
-    matched: int | None = None
+    matched: int | str | None = None
     message: str | None = None
 
 
@@ -78,11 +91,49 @@ class MetaInfo(msgspec.Struct, omit_defaults=True):
 
 
 class GenerateChunk(msgspec.Struct, omit_defaults=True):
-    """One SSE `data:` payload. Lumen workers send only the new ids of each chunk."""
+    """One SSE `data:` payload. Lumen workers send only the new ids of each chunk; SGLang by default
+    the cumulative ids (`new_output_ids` tells them apart), with `"text": null` until the last."""
 
     output_ids: list[int]
     meta_info: MetaInfo
-    text: str = ""
+    text: str | None = ""
+
+
+class StreamError(Exception):
+    """A `data: {"error": {...}}` chunk: the worker gave up on the request mid-stream."""
+
+    def __init__(self, message: str, code: int | str | None) -> None:
+        super().__init__(f"worker error mid-stream ({code}): {message}")
+        self.message = message
+        self.code = code
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str = ""
+    code: int | str | None = None
+
+
+class _StreamPayload(msgspec.Struct):
+    """Any `data:` payload of a /generate stream: a chunk, or an error object."""
+
+    output_ids: list[int] | None = None
+    meta_info: MetaInfo | None = None
+    text: str | None = None
+    error: _ErrorDetail | None = None
+
+
+def new_output_ids(chunk: GenerateChunk, received: int) -> list[int]:
+    """The ids of `chunk` not received before on this stream, for either streaming form.
+
+    A cumulative chunk (SGLang's default) carries every id so far, so its length is the request's
+    `completion_tokens`; an incremental chunk (Lumen's workers, SGLang's
+    `--incremental-streaming-output`) carries only new ids, fewer than `completion_tokens` once
+    anything was received. The first chunk reads the same either way.
+    """
+    ids = chunk.output_ids
+    if received and len(ids) == chunk.meta_info.completion_tokens and len(ids) >= received:
+        return ids[received:]
+    return ids
 
 
 class ErrorBody(msgspec.Struct):
@@ -102,7 +153,7 @@ class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
 SSE_DONE = b"data: [DONE]\n\n"
 
 _chunk_encoder = msgspec.json.Encoder()
-_chunk_decoder = msgspec.json.Decoder(GenerateChunk)
+_payload_decoder = msgspec.json.Decoder(_StreamPayload)
 request_decoder = msgspec.json.Decoder(GenerateRequest)
 
 
@@ -111,7 +162,14 @@ def encode_sse_chunk(chunk: GenerateChunk) -> bytes:
 
 
 def decode_chunk(payload: bytes) -> GenerateChunk:
-    return _chunk_decoder.decode(payload)
+    """One `data:` payload as a chunk. Raises StreamError for an error object and
+    msgspec.ValidationError for anything else that is not a chunk."""
+    p = _payload_decoder.decode(payload)
+    if p.error is not None:
+        raise StreamError(p.error.message, p.error.code)
+    if p.output_ids is None or p.meta_info is None:
+        raise msgspec.ValidationError("a chunk needs output_ids and meta_info")
+    return GenerateChunk(p.output_ids, p.meta_info, p.text)
 
 
 def encode(obj: object) -> bytes:

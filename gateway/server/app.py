@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 from grpc import aio
 
-from gateway.config import Config, recovery_policy
+from gateway.config import Config, recovery_policy, sglang_worker_id
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
@@ -31,9 +31,9 @@ from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
+from gateway.server.workers.sglang import SGLangPoller, SGLangTarget
 
 log = structlog.get_logger("lumen.gateway")
-
 
 
 class Gateway:
@@ -100,6 +100,7 @@ class Gateway:
                 view=self.checkpoints.view if self.checkpoints is not None else self.monitor.view,
                 metrics=self.metrics,
             )
+        self.sglang: SGLangPoller | None = None
         self._assist_task: asyncio.Task[None] | None = None
         self._gray_task: asyncio.Task[None] | None = None
         self.sessions: SessionManager | None = None
@@ -140,6 +141,19 @@ class Gateway:
             route_params=routing_params(self.load_params, self.config.load.route_by_checkpoint_load),
         )
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
+        sg = self.config.sglang
+        if sg.workers:  # agentless SGLang servers: the gateway attaches and polls them itself
+            self.sglang = SGLangPoller(
+                self.monitor,
+                self._http,
+                [
+                    SGLangTarget(sglang_worker_id(i, w.id), w.url.rstrip("/"), self.config.model.preset)
+                    for i, w in enumerate(sg.workers)
+                ],
+                poll_interval_s=sg.poll_interval_ms / 1000,
+                misses=self.config.health.heartbeat_misses,
+            )
+            self.sglang.start()
         if self.assist is not None:
             # re-pair at a few heartbeat intervals: loads move slowly, pairs should not flap
             period = 5 * self.config.health.heartbeat_interval_ms / 1000
@@ -181,6 +195,8 @@ class Gateway:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.sglang is not None:
+            await self.sglang.stop()
         for task in (self._detector, self._assist_task, self._gray_task):
             if task is not None:
                 task.cancel()

@@ -10,6 +10,7 @@ the continuation is the one the failed worker would have produced.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections import deque
@@ -17,15 +18,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 import structlog
 
 from gateway.config import RecoverySection
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
+from gateway.core.health import ALIVE_STATES
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
+from gateway.protocol.generate import EngineKind, GenerateRequest, HolderRef, LumenExt, SamplingParams, encode
+from gateway.protocol.sglang import SGLangAbort, SGLangGenerate, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import GenerateJob, TokenDelta
 from gateway.server.checkpoints import CheckpointManager
@@ -35,6 +39,8 @@ from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStrea
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.sessions")
+
+ABORT_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -127,6 +133,7 @@ class SessionManager:
             clock=clock,
         )
         self.live: dict[str, Session] = {}
+        self._aborts: set[asyncio.Task[None]] = set()  # /abort_request calls in flight
         # recently finished sessions with interruptions, for /admin/sessions and the demo
         self.recent_interrupted: deque[Session] = deque(maxlen=2000)
 
@@ -182,6 +189,8 @@ class SessionManager:
                 elif exc.reason.startswith("stall"):
                     self.metrics.stalls.inc()
                     excluded.add(worker.id)
+                elif exc.worker_error:  # alive, but it gave up on this request: not there again
+                    excluded.add(worker.id)
             self._note_interruption(s, worker, lost_reason)
             if not self.policy.failover:
                 raise UpstreamFailed(
@@ -205,8 +214,9 @@ class SessionManager:
     async def _attempt(self, s: Session, worker: WorkerRecord) -> AsyncIterator[TokenDelta]:
         sp = s.job.sampling
         wrid = f"{s.job.rid}-{s.attempts}"
+        sglang = worker.engine is EngineKind.SGLANG
         holders: list[HolderRef] = []
-        if self.checkpoints is not None:
+        if self.checkpoints is not None and not sglang:  # SGLang checkpoints: part 2 (not yet)
             holders = self.checkpoints.assign(
                 s.job.rid, wrid, worker, len(s.job.prompt_ids) + len(s.emitted), s.remaining
             )
@@ -226,10 +236,12 @@ class SessionManager:
                 epoch=worker.incarnation, seed_base=s.seed_base, attempt=s.attempts, checkpoint=holders
             ),
         )
+        # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
+        body: msgspec.Struct = to_sglang(req, seed_base=s.seed_base) if sglang else req
         stream = WorkerStream(
             self.http,
             worker.http_url,
-            req,
+            body,
             first_chunk_timeout_s=self.recovery.first_token_timeout_s,
             stall_timeout_s=self.recovery.stall_timeout_s,
         )
@@ -260,7 +272,9 @@ class SessionManager:
                     yield TokenDelta(
                         tuple(ids),
                         finish_reason=finish,
-                        matched_stop=fin.matched if fin is not None else None,
+                        matched_stop=fin.matched
+                        if fin is not None and isinstance(fin.matched, int)
+                        else None,
                         cached_tokens=chunk.meta_info.cached_tokens,
                     )
                     if finish is not None:
@@ -268,6 +282,31 @@ class SessionManager:
         finally:
             worker.inflight -= 1
             self.monitor.unwatch(worker.id, sub)
+            if sglang and s.finish_reason is None and isinstance(body, SGLangGenerate):
+                # closing the stream is not enough for every SGLang deployment: abort it by rid
+                self._abort_on(worker, body.rid)
+
+    def _abort_on(self, worker: WorkerRecord, rid: str) -> None:
+        """Ask an SGLang server to drop `rid` (the client left, or the request moved elsewhere).
+        Best effort, in the background: a dead server needs no abort."""
+        if worker.state not in ALIVE_STATES:
+            return
+        task = asyncio.get_running_loop().create_task(self._post_abort(worker.http_url, rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _post_abort(self, url: str, rid: str) -> None:
+        try:
+            async with self.http.post(
+                url.rstrip("/") + "/abort_request",
+                data=encode(SGLangAbort(rid=rid)),
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S),
+            ) as resp:
+                if resp.status != 200:
+                    log.warning("abort_refused", url=url, rid=rid, status=resp.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("abort_failed", url=url, rid=rid, error=repr(exc))
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, restored: int) -> float:

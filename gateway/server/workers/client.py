@@ -1,7 +1,9 @@
 """The gateway's data-path client: one `/generate` SSE stream from one worker incarnation.
 
-A stream can be interrupted from outside (its worker was declared failed) or time out (stall); both
-surface as `WorkerLost` from `next_chunk`, so the session's failover logic has one case to handle.
+A stream can be interrupted from outside (its worker was declared failed), time out (stall), or carry
+an error chunk; all surface as `WorkerLost` from `next_chunk`, so the session's failover logic has
+one case to handle. Chunks come out incremental whatever the worker sends (SGLang's default
+streaming repeats every id so far).
 """
 
 from __future__ import annotations
@@ -12,17 +14,25 @@ from types import TracebackType
 import aiohttp
 import msgspec
 
-from gateway.protocol.generate import GenerateChunk, GenerateRequest, decode_chunk, encode
+from gateway.protocol.generate import (
+    GenerateChunk,
+    StreamError,
+    decode_chunk,
+    encode,
+    new_output_ids,
+)
 
 
 class WorkerLost(Exception):
     """The stream from a worker ended without finishing: the request must resume elsewhere."""
 
-    def __init__(self, reason: str, *, connection_broke: bool = False) -> None:
+    def __init__(self, reason: str, *, connection_broke: bool = False, worker_error: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         # the TCP connection itself failed (as opposed to a stall or a fencing decision)
         self.connection_broke = connection_broke
+        # the worker sent an error chunk: it is alive, but should not get this request again
+        self.worker_error = worker_error
 
 
 class WorkerRefused(Exception):
@@ -46,7 +56,7 @@ class WorkerStream:
         self,
         http: aiohttp.ClientSession,
         url: str,
-        request: GenerateRequest,
+        request: msgspec.Struct,
         *,
         first_chunk_timeout_s: float,
         stall_timeout_s: float,
@@ -60,6 +70,7 @@ class WorkerStream:
         self._timeout: asyncio.Timeout | None = None
         self._interrupted: str | None = None
         self._chunks = 0
+        self._received = 0  # output ids received on this stream
 
     def interrupt(self, reason: str) -> None:
         """Stop waiting on this stream now (its worker incarnation failed). Safe to call any time."""
@@ -116,13 +127,20 @@ class WorkerStream:
                     if payload == b"[DONE]":
                         return None
                     self._chunks += 1
-                    return decode_chunk(payload)
+                    chunk = decode_chunk(payload)
+                    ids = new_output_ids(chunk, self._received)
+                    if ids is not chunk.output_ids:
+                        chunk = GenerateChunk(ids, chunk.meta_info, chunk.text)
+                    self._received += len(ids)
+                    return chunk
         except TimeoutError as exc:
             raise self._lost_after_timeout(f"no chunk for {timeout:.3g} s") from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise WorkerLost(f"stream broke: {exc!r}", connection_broke=True) from exc
+        except StreamError as exc:
+            raise WorkerLost(str(exc), worker_error=True) from exc
         except msgspec.DecodeError as exc:
-            raise WorkerLost(f"malformed chunk from worker: {exc}") from exc
+            raise WorkerLost(f"malformed chunk from worker: {exc}", worker_error=True) from exc
 
     # -- internals ------------------------------------------------------------------------------
     def _deadline(self, seconds: float) -> asyncio.Timeout:

@@ -18,6 +18,7 @@ from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_in
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import ClusterView
 from gateway.protocol import control_pb2 as pb
+from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
 from gateway.server.workers.records import (
@@ -98,6 +99,7 @@ class LoadMonitor:
             ckpt_budget_bytes=hello.ckpt_budget_bytes,
             failure_domain=hello.failure_domain,
             page_size=hello.page_size or DEFAULT_PAGE_SIZE,
+            engine=EngineKind.of(hello.engine),
             max_running_requests=hello.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
             phase=phase,
             last_heartbeat=now,
@@ -161,7 +163,7 @@ class LoadMonitor:
                 rec.last_heartbeat = max(rec.last_heartbeat, now - self.interval_s)
         self._last_tick = now
         verdicts = health.silence_verdicts(
-            {w.id: (w.state, now - w.last_heartbeat) for w in self.workers.values()},
+            {w.id: (w.state, self._silence(w, now)) for w in self.workers.values()},
             self.interval_s,
             self.misses,
             self.correlated_grace_s,
@@ -174,6 +176,14 @@ class LoadMonitor:
                 self._fail(rec, f"no heartbeat for {1000 * (now - rec.last_heartbeat):.0f} ms")
             elif dst is not rec.state:
                 self._set(rec, dst, f"heartbeat late by {1000 * (now - rec.last_heartbeat):.0f} ms")
+
+    def _silence(self, w: WorkerRecord, now: float) -> float:
+        """Seconds since `w`'s last heartbeat, in units of the control plane's interval: a worker with
+        its own heartbeat interval (a polled SGLang server) is judged by its own misses."""
+        age = now - w.last_heartbeat
+        if w.heartbeat_interval_s is None:
+            return age
+        return age * self.interval_s / w.heartbeat_interval_s
 
     async def run_detector(self) -> None:
         period = self.interval_s / 2

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import WorkerView
 from gateway.protocol import control_pb2 as pb
+from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
 
@@ -78,6 +79,10 @@ class WorkerRecord:
     ckpt_budget_bytes: int = 0
     failure_domain: str = ""
     page_size: int = DEFAULT_PAGE_SIZE
+    engine: EngineKind = EngineKind.LUMEN
+    # seconds between this worker's heartbeats (None: the control plane's interval); an agentless
+    # SGLang server's heartbeats are the gateway's own polls of its /v1/loads
+    heartbeat_interval_s: float | None = None
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     phase: Phase = Phase.SERVING
     last_heartbeat: float = 0.0

@@ -1,0 +1,153 @@
+"""Agentless SGLang servers: the gateway itself attaches, watches and loads them over their own HTTP API.
+
+For each configured server (`[[sglang.workers]]` or `lumen gateway --sglang-url URL`) a poller:
+
+- waits until `GET /ready` answers 200 (never the slow `/health`, which runs a generation), then
+  attaches it to the load monitor as an `engine = "sglang"` worker, a new incarnation each time;
+- polls `GET /ready` and `GET /v1/loads?include=core` every `sglang.poll_interval_ms`; each answer is
+  that worker's heartbeat (running, waiting, KV tokens used, summed over DP ranks), so failure
+  detection by silence works as for Lumen's workers, in units of the poll interval;
+- fails the incarnation at once when a poll's connection is refused or reset, and after
+  `health.heartbeat_misses` polls when the server hangs or keeps answering 503 on /ready (its
+  running requests resume elsewhere; it re-attaches as a new incarnation once /ready is 200 again).
+
+Broken `/generate` streams fail the incarnation too (sessions report them, as for every worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+import structlog
+
+from gateway.core.health import ALIVE_STATES
+from gateway.protocol import control_pb2 as pb
+from gateway.protocol.generate import EngineKind
+from gateway.protocol.sglang import SGLangLoads
+from gateway.server.workers.monitor import AttachRefused, LoadMonitor, WorkerRecord
+
+log = structlog.get_logger("lumen.sglang")
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangTarget:
+    worker_id: str
+    url: str
+    model: str = ""
+
+
+class _Unready(Exception):
+    pass
+
+
+class SGLangPoller:
+    def __init__(
+        self,
+        monitor: LoadMonitor,
+        http: aiohttp.ClientSession,
+        targets: list[SGLangTarget],
+        *,
+        poll_interval_s: float,
+        misses: int,
+    ) -> None:
+        self.monitor = monitor
+        self.http = http
+        self.targets = targets
+        self.interval_s = poll_interval_s
+        self.misses = misses
+        self._tasks: list[asyncio.Task[None]] = []
+        self._incarnation: dict[str, int] = {}
+
+    def start(self) -> None:
+        for t in self.targets:
+            self._tasks.append(asyncio.create_task(self._watch(t), name=f"sglang-poll-{t.worker_id}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    # -- one server ------------------------------------------------------------------------------
+    async def _watch(self, t: SGLangTarget) -> None:
+        rec: WorkerRecord | None = None
+        unready = 0
+        while True:
+            if (
+                rec is None
+                or self.monitor.workers.get(t.worker_id) is not rec
+                or rec.state not in ALIVE_STATES
+            ):
+                rec = await self._attach_when_ready(t)
+                unready = 0
+            try:
+                loads = await self._poll(t)
+            except _Unready:
+                unready += 1
+                if unready >= self.misses:
+                    self.monitor.report_data_failure(t.worker_id, rec.incarnation, "/ready answers 503")
+            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                if not isinstance(exc, aiohttp.ServerTimeoutError):
+                    self.monitor.report_data_failure(t.worker_id, rec.incarnation, f"poll: {exc!r}")
+            except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError) as exc:
+                log.debug("sglang_poll_failed", worker=t.worker_id, error=repr(exc))  # silence decides
+            else:
+                unready = 0
+                self.monitor.heartbeat(rec, _heartbeat(loads))
+            await asyncio.sleep(self.interval_s)
+
+    async def _attach_when_ready(self, t: SGLangTarget) -> WorkerRecord:
+        while True:
+            try:
+                loads = await self._poll(t)
+            except (_Unready, TimeoutError, aiohttp.ClientError, ConnectionError, msgspec.DecodeError):
+                await asyncio.sleep(self.interval_s)
+                continue
+            incarnation = self._incarnation.get(t.worker_id, 0) + 1
+            self._incarnation[t.worker_id] = incarnation
+            first = loads.loads[0] if loads.loads else None
+            hello = pb.Hello(
+                worker_id=t.worker_id,
+                incarnation=incarnation,
+                http_url=t.url,
+                model=t.model,
+                engine=EngineKind.SGLANG,
+                phase=pb.SERVING,
+                kv_capacity_tokens=sum(r.max_total_num_tokens for r in loads.loads),
+                max_running_requests=sum(r.max_running_requests for r in loads.loads) if first else 0,
+            )
+            try:
+                rec = self.monitor.attach(hello)
+            except AttachRefused as exc:
+                log.warning("sglang_attach_refused", worker=t.worker_id, reason=str(exc))
+                await asyncio.sleep(self.interval_s)
+                continue
+            rec.heartbeat_interval_s = self.interval_s
+            self.monitor.heartbeat(rec, _heartbeat(loads))
+            log.info("sglang_attached", worker=t.worker_id, url=t.url, incarnation=incarnation)
+            return rec
+
+    async def _poll(self, t: SGLangTarget) -> SGLangLoads:
+        """/ready, then /v1/loads; raises _Unready on a non-200 from /ready."""
+        timeout = aiohttp.ClientTimeout(total=self.interval_s * self.misses)
+        async with self.http.get(t.url + "/ready", timeout=timeout) as ready:
+            if ready.status != 200:
+                raise _Unready()
+        async with self.http.get(t.url + "/v1/loads?include=core", timeout=timeout) as loads:
+            loads.raise_for_status()
+            return msgspec.json.decode(await loads.read(), type=SGLangLoads)
+
+
+def _heartbeat(loads: SGLangLoads) -> pb.Heartbeat:
+    return pb.Heartbeat(
+        phase=pb.SERVING,
+        running=sum(r.num_running_reqs for r in loads.loads),
+        waiting=sum(r.num_waiting_reqs for r in loads.loads),
+        kv_tokens_used=sum(r.num_used_tokens for r in loads.loads),
+    )
