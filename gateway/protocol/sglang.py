@@ -98,3 +98,55 @@ class SGLangRankLoad(msgspec.Struct, kw_only=True):
 
 class SGLangLoads(msgspec.Struct, kw_only=True):
     loads: list[SGLangRankLoad] = msgspec.field(default_factory=list)
+
+
+class SGLangVerifyMeta(msgspec.Struct, kw_only=True):
+    id: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # one row per input position from logprob_start_len on: [[logprob, token_id, text], ...] (most
+    # likely first), the first row null (srt/managers/scheduler_components/logprob_result_processor.py)
+    input_top_logprobs: list[list[tuple[float | None, int, str | None]] | None] = msgspec.field(
+        default_factory=list
+    )
+
+
+class SGLangVerifyResponse(msgspec.Struct, kw_only=True):
+    output_ids: list[int] = msgspec.field(default_factory=list)
+    meta_info: SGLangVerifyMeta = msgspec.field(default_factory=SGLangVerifyMeta)
+
+
+def verify_body(rid: str, context: list[int], drafts: list[int]) -> SGLangGenerate:
+    """One greedy verification of `drafts` after `context` on an unmodified SGLang server.
+
+    `input_ids = context + drafts`, one new token, temperature 0, and the top-1 of every position
+    from the last context token on: row i + 1 of `input_top_logprobs` is the target's greedy choice
+    where draft i stands; the one output token is its choice after the last draft (the bonus).
+    """
+    return SGLangGenerate(
+        rid=rid,
+        input_ids=[*context, *drafts],
+        sampling_params=SGLangSamplingParams(max_new_tokens=1, temperature=0.0),
+        stream=False,
+        return_logprob=True,
+        logprob_start_len=len(context) - 1,
+        top_logprobs_num=1,
+    )
+
+
+def verified_tokens(drafts: list[int], resp: SGLangVerifyResponse) -> tuple[list[int], int]:
+    """(the tokens plain greedy decoding would emit next, how many drafts were accepted): the longest
+    prefix of `drafts` the target agrees with, then the target's own token after it."""
+    rows = resp.meta_info.input_top_logprobs
+    if len(rows) != len(drafts) + 1:
+        raise ValueError(f"expected {len(drafts) + 1} logprob rows, got {len(rows)}")
+    for i, d in enumerate(drafts):
+        row = rows[i + 1]
+        if not row:
+            raise ValueError(f"no top-1 at draft position {i}")
+        top = row[0][1]
+        if top != d:
+            return [*drafts[:i], top], i
+    if len(resp.output_ids) != 1:
+        raise ValueError(f"expected one output token, got {len(resp.output_ids)}")
+    return [*drafts, resp.output_ids[0]], len(drafts)

@@ -26,6 +26,7 @@ from gateway.server.api.routes import add_client_routes
 from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.assisted import GatewayVerifier
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.sessions import SessionManager
@@ -101,6 +102,17 @@ class Gateway:
                 metrics=self.metrics,
             )
         self.sglang: SGLangPoller | None = None
+        # draft assist on SGLang targets: the gateway verifies the drafts itself
+        self.verifier: GatewayVerifier | None = None
+        if self.assist is not None:
+            d = config.draft
+            self.verifier = GatewayVerifier(
+                drafter_of=self.assist.drafter_of,
+                k_min=d.k_min,
+                k_max=d.k_max,
+                draft_timeout_s=d.draft_timeout_ms / 1000,
+                prior=d.agreement,
+            )
         self._assist_task: asyncio.Task[None] | None = None
         self._gray_task: asyncio.Task[None] | None = None
         self.sessions: SessionManager | None = None
@@ -139,6 +151,7 @@ class Gateway:
             dispatch_params=self.dispatch_params,
             cost=self.cost,
             route_params=routing_params(self.load_params, self.config.load.route_by_checkpoint_load),
+            verifier=self.verifier,
         )
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         sg = self.config.sglang
@@ -197,6 +210,8 @@ class Gateway:
             await self._runner.cleanup()
         if self.sglang is not None:
             await self.sglang.stop()
+        if self.verifier is not None:
+            await self.verifier.close()
         for task in (self._detector, self._assist_task, self._gray_task):
             if task is not None:
                 task.cancel()

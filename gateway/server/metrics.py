@@ -96,6 +96,12 @@ class GatewayMetrics:
         self.draft_rounds = Gauge(
             "lumen_draft_rounds", "Draft-assisted target steps per worker", ["worker"], registry=r
         )
+        self.gateway_drafts = Counter(
+            "lumen_gateway_verified_drafts",
+            "Draft tokens the gateway verified on SGLang targets, proposed and accepted",
+            ["target", "outcome"],
+            registry=r,
+        )
         self.workers = Gauge("lumen_workers", "Workers by state", ["state"], registry=r)
 
     def render(self) -> bytes:

@@ -34,6 +34,7 @@ from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamReject
 from gateway.server.api.jobs import GenerateJob, TokenDelta
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
 from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
@@ -109,6 +110,7 @@ class SessionManager:
         max_concurrent: int = 8192,
         clock: Callable[[], float] = time.monotonic,
         route_params: LoadParams | None = None,
+        verifier: GatewayVerifier | None = None,
     ) -> None:
         self.max_concurrent = max_concurrent
         self.policy = policy or policy_for(recovery.mode)
@@ -132,6 +134,7 @@ class SessionManager:
             cost=cost,
             clock=clock,
         )
+        self.verifier = verifier  # draft assist on SGLang targets (gateway-level verification)
         self.live: dict[str, Session] = {}
         self._aborts: set[asyncio.Task[None]] = set()  # /abort_request calls in flight
         # recently finished sessions with interruptions, for /admin/sessions and the demo
@@ -238,13 +241,31 @@ class SessionManager:
         )
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
         body: msgspec.Struct = to_sglang(req, seed_base=s.seed_base) if sglang else req
-        stream = WorkerStream(
-            self.http,
-            worker.http_url,
-            body,
-            first_chunk_timeout_s=self.recovery.first_token_timeout_s,
-            stall_timeout_s=self.recovery.stall_timeout_s,
-        )
+        assist = None
+        greedy = sp.temperature <= 0.0 or sp.top_k == 1  # assisted output must stay exact
+        if isinstance(body, SGLangGenerate) and greedy and self.verifier is not None:
+            assist = self.verifier.for_target(worker.id)
+        stream: WorkerStream | AssistedStream
+        if assist is not None and isinstance(body, SGLangGenerate):
+            _drafter, plane, estimate = assist
+            stream = AssistedStream(
+                self.http,
+                worker.http_url,
+                body,
+                plane,
+                estimate,
+                k_min=self.verifier.k_min if self.verifier else 1,
+                k_max=self.verifier.k_max if self.verifier else 1,
+                timeout_s=self.recovery.stall_timeout_s,
+            )
+        else:
+            stream = WorkerStream(
+                self.http,
+                worker.http_url,
+                body,
+                first_chunk_timeout_s=self.recovery.first_token_timeout_s,
+                stall_timeout_s=self.recovery.stall_timeout_s,
+            )
         sub = self.monitor.watch(worker.id, worker.incarnation, stream.interrupt)
         if sub is None:
             raise WorkerLost(f"worker {worker.id} incarnation {worker.incarnation} is gone")
@@ -282,6 +303,10 @@ class SessionManager:
         finally:
             worker.inflight -= 1
             self.monitor.unwatch(worker.id, sub)
+            if assist is not None and isinstance(stream, AssistedStream) and self.verifier is not None:
+                self.verifier.record(assist[0], worker.id, stream)
+                self.metrics.gateway_drafts.labels(target=worker.id, outcome="proposed").inc(stream.drafted)
+                self.metrics.gateway_drafts.labels(target=worker.id, outcome="accepted").inc(stream.accepted)
             if sglang and s.finish_reason is None and isinstance(body, SGLangGenerate):
                 # closing the stream is not enough for every SGLang deployment: abort it by rid
                 self._abort_on(worker, body.rid)

@@ -17,11 +17,11 @@ import pytest
 from gateway.protocol import bytevocab
 from gateway.protocol.generate import SamplingParams
 from gateway.protocol.launch import EngineSpec
-from gateway.server.chat_template import ChatMessage, ChatTemplate
-from gateway.server.tokenizer import ByteTokenizer
-from worker_hooks.engine.openai_compat import render_chat
-from worker_hooks.engine.synthetic import expected_output
-from worker_hooks.engine.worker import Worker, start_worker
+from gateway.protocol.openai.chat import render_default as render_chat
+from gateway.server.api.chat_template import ChatMessage, ChatTemplate
+from gateway.server.api.tokenizer import ByteTokenizer
+from models.synthetic import expected_output
+from worker_hooks.engine.service import Worker, start_worker
 
 FAST = {"model": "Qwen3-0.6B", "gpu": "H100-80G", "time_scale": 0.01}
 PROMPT = "The quick brown fox jumps over the lazy dog. "
@@ -321,7 +321,7 @@ BAD_CHAT: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
     ({"logprobs": True}, "logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -8,17 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.server.api.errors import InvalidRequest, ModelNotFound, PromptTooLong
-from gateway.server.api.params import decode_object
-from gateway.server.api.schemas import (
+from gateway.protocol.openai.fields import decode_object
+from gateway.protocol.openai.requests import (
     Bounds,
     ChatRequest,
     SamplingRequest,
-    check_prompt_length,
     parse_chat,
     parse_completion,
     parse_generate,
 )
+from gateway.server.api.errors import InvalidRequest, ModelNotFound, PromptTooLong
+from gateway.server.api.schemas import check_prompt_length
 
 B = Bounds(model="m", max_new_tokens=100, default_max_tokens=16, max_prompt_tokens=50, vocab_size=259)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

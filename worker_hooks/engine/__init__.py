@@ -7,7 +7,7 @@ page streaming and restore lookup), `draft_assist` (the draft-assist roles: `dra
 restarting worker's drafter, `speculative` for a target's drafts and adaptive k), `handle` (one
 request's emissions), `validation` (admission checks), `errors`, `metrics`; HTTP: `http` (the app key
 and JSON responses the routes share), `server` (/generate, abort, health), `info` (discovery, loads,
-metrics), `openai_compat` (OpenAI `/v1/completions` and `/v1/chat/completions` on the same engine
-path); `service` (`Worker`, `start_worker`: engine + HTTP app + control agent, in-process),
+metrics), `openai_routes` (OpenAI `/v1/completions` and `/v1/chat/completions` on the same engine
+path, over gateway.protocol.openai's shapes); `service` (`Worker`, `start_worker`: engine + HTTP app + control agent, in-process),
 `__main__` (the process entry point). The models it runs (synthetic and torch) are in `models`.
 """

@@ -1,6 +1,6 @@
 """What the worker's HTTP route modules share: the app key of the running worker, and JSON responses.
 
-The route modules (server.py, info.py, openai_compat.py) read the worker through `WORKER`, typed by
+The route modules (server.py, info.py, openai_routes.py) read the worker through `WORKER`, typed by
 `WorkerView` (what they use of service.Worker), so they never import the module that assembles them.
 """
 

@@ -5,7 +5,7 @@ Streams send one SSE chunk per engine step carrying only that step's new ids (SG
 chunk carries the prefix restored from the checkpoint store (`restored_tokens`, `cached_tokens`).
 A request whose client goes away is aborted in the engine, so its KV pages are freed at once; its
 checkpoint stays with its holders (the gateway may resume it), while `/abort_request` drops it too.
-Discovery, load and metrics endpoints live in info.py, the OpenAI routes in openai_compat.py;
+Discovery, load and metrics endpoints live in info.py, the OpenAI routes in openai_routes.py;
 service.py puts them on one app.
 """
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.agent import Agent
-from worker_hooks.engine import info, openai_compat, server
+from worker_hooks.engine import info, openai_routes, server
 from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.http import WORKER
 from worker_hooks.engine.metrics import make_registry
@@ -57,7 +57,7 @@ class Worker:
         app = web.Application(client_max_size=64 * 1024**2)
         app[WORKER] = self
         server.add_routes(app)
-        openai_compat.add_routes(app)  # /v1/completions and /v1/chat/completions
+        openai_routes.add_routes(app)  # /v1/completions and /v1/chat/completions
         info.add_routes(app)
         return app
 

@@ -1,6 +1,8 @@
-"""Typed reads from a decoded JSON object, each failure an InvalidRequest naming the parameter.
+"""Typed reads from a decoded JSON body, each failure an InvalidRequest naming the parameter.
 
 JSON `null` reads as "not given" (OpenAI clients send explicit nulls). A bool is never a number.
+Codes follow OpenAI's: `invalid_json`, `invalid_type`, `invalid_value`, `missing_required_parameter`,
+`unsupported_parameter`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,12 @@ from typing import Any
 
 import msgspec
 
-from gateway.server.api.errors import InvalidRequest
+from gateway.protocol.openai.errors import InvalidRequest
+
+INVALID_TYPE = "invalid_type"
+INVALID_VALUE = "invalid_value"
+MISSING = "missing_required_parameter"
+UNSUPPORTED = "unsupported_parameter"
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:
@@ -18,11 +25,13 @@ def decode_object(raw: bytes) -> dict[str, Any]:
     try:
         value = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:
-        raise InvalidRequest("request body is nested too deeply") from exc
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from exc
     if not isinstance(value, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {json_type(value)}")
+        raise InvalidRequest(
+            f"request body must be a JSON object, got {json_type(value)}", code="invalid_json"
+        )
     return value
 
 
@@ -62,18 +71,21 @@ class Fields:
     def raw(self, key: str) -> Any:
         return self._obj.get(key)
 
-    def fail(self, key: str, why: str) -> InvalidRequest:
-        return InvalidRequest(f"'{self.name(key)}' {why}", param=self.name(key))
+    def fail(self, key: str, why: str, code: str = INVALID_VALUE) -> InvalidRequest:
+        return InvalidRequest(f"'{self.name(key)}' {why}", param=self.name(key), code=code)
 
-    def _wrong(self, key: str, want: str) -> InvalidRequest:
-        return self.fail(key, f"must be {want}, got {json_type(self._obj[key])}")
+    def missing(self, key: str) -> InvalidRequest:
+        return self.fail(key, "is required", MISSING)
+
+    def wrong(self, key: str, want: str) -> InvalidRequest:
+        return self.fail(key, f"must be {want}, got {json_type(self._obj.get(key))}", INVALID_TYPE)
 
     def integer(self, key: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
         v = self._obj.get(key)
         if v is None:
             return default
         if not is_int(v):
-            raise self._wrong(key, "an integer")
+            raise self.wrong(key, "an integer")
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             raise self.fail(key, f"must be in {_range(lo, hi)}, got {v}")
         return int(v)
@@ -86,7 +98,7 @@ class Fields:
         if v is None:
             return default
         if not is_number(v):
-            raise self._wrong(key, "a number")
+            raise self.wrong(key, "a number")
         if v > hi or v < lo or (lo_open and v == lo):
             interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
             raise self.fail(key, f"must be in {interval}, got {v}")
@@ -97,7 +109,7 @@ class Fields:
         if v is None:
             return default
         if not isinstance(v, bool):
-            raise self._wrong(key, "a boolean")
+            raise self.wrong(key, "a boolean")
         return v
 
     def string(self, key: str) -> str | None:
@@ -105,7 +117,7 @@ class Fields:
         if v is None:
             return None
         if not isinstance(v, str):
-            raise self._wrong(key, "a string")
+            raise self.wrong(key, "a string")
         return v
 
     def obj(self, key: str) -> Fields | None:
@@ -113,7 +125,7 @@ class Fields:
         if v is None:
             return None
         if not isinstance(v, dict):
-            raise self._wrong(key, "an object")
+            raise self.wrong(key, "an object")
         return Fields(v, prefix=f"{self.name(key)}.")
 
     def array(self, key: str) -> list[Any] | None:
@@ -121,7 +133,7 @@ class Fields:
         if v is None:
             return None
         if not isinstance(v, list):
-            raise self._wrong(key, "an array")
+            raise self.wrong(key, "an array")
         return v
 
     def token_ids(self, key: str, vocab_size: int, *, max_len: int | None = None) -> tuple[int, ...]:
@@ -140,7 +152,7 @@ class Fields:
             return ()
         items = [v] if isinstance(v, str) else v
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise self.fail(key, f"must be a string or an array of strings, got {json_type(v)}")
+            raise self.fail(key, f"must be a string or an array of strings, got {json_type(v)}", INVALID_TYPE)
         if len(items) > max_items:
             raise self.fail(key, f"may hold at most {max_items} strings, got {len(items)}")
         if any(not s for s in items):
@@ -148,19 +160,25 @@ class Fields:
         return tuple(dict.fromkeys(items))
 
     def unsupported(self, key: str, allowed: tuple[object, ...], what: str) -> None:
-        """Reject a known field this gateway cannot honour unless it holds a neutral value."""
+        """Refuse a known field the server cannot honour unless it holds a neutral value."""
         v = self._obj.get(key)
         if v is None or any(v == a and type(v) is type(a) for a in allowed):
             return
-        raise self.fail(key, f"is not supported ({what})")
+        raise self.fail(key, f"is not supported ({what})", UNSUPPORTED)
 
 
 def check_token_ids(items: list[Any], name: str, vocab_size: int) -> None:
     for i, t in enumerate(items):
         if not is_int(t):
-            raise InvalidRequest(f"'{name}[{i}]' must be an integer token id, got {json_type(t)}", param=name)
+            raise InvalidRequest(
+                f"'{name}[{i}]' must be an integer token id, got {json_type(t)}",
+                param=name,
+                code=INVALID_TYPE,
+            )
         if not 0 <= t < vocab_size:
-            raise InvalidRequest(f"'{name}[{i}]' = {t} is not a token id (0..{vocab_size - 1})", param=name)
+            raise InvalidRequest(
+                f"'{name}[{i}]' = {t} is not a token id (0..{vocab_size - 1})", param=name, code=INVALID_VALUE
+            )
 
 
 def _range(lo: int | None, hi: int | None) -> str:

@@ -1,2 +1,4 @@
-"""The client API: OpenAI and SGLang-native handlers, request schemas, response formats, tokenizer,
-chat template, auth, middleware and the errors clients see."""
+"""The client API: OpenAI and SGLang-native handlers, the gateway's request bounds, response formats,
+tokenizer, chat template, auth, middleware and the errors clients see. The wire shapes it shares with
+the workers' OpenAI routes (error bodies, field reads, request parsing, envelopes, chat messages) are
+gateway.protocol.openai's."""

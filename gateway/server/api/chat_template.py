@@ -4,12 +4,13 @@ The template sees `messages` (a list of {"role", "content"[, "name"]} with conte
 `add_generation_prompt`, `bos_token`, `eos_token` and `raise_exception(msg)`. A template that calls
 `raise_exception` rejects the request (400); any other template failure is the configuration's fault
 (500). A template that does not compile stops the gateway at start-up with a ConfigError.
+The messages (`ChatMessage`) and the default template's plain-Python rendering, which workers use, are
+gateway.protocol.openai.chat's; DEFAULT_TEMPLATE here is the same template in Jinja.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -17,29 +18,15 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.config import ConfigError
+from gateway.protocol.openai.chat import ChatMessage
 from gateway.server.api.errors import GatewayError, InvalidRequest
 from gateway.server.api.tokenizer import Tokenizer
 
-ROLES = ("system", "user", "assistant", "tool")
-
-# role-tagged and deterministic: "<|system|>\n...\n<|user|>\n...\n<|assistant|>\n"
+# role-tagged and deterministic: "<|system|>\n...\n<|user|>\n...\n<|assistant|>\n" (chat.render_default)
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    role: str  # one of ROLES
-    content: str
-    name: str | None = None
-
-    def as_dict(self) -> dict[str, str]:
-        d = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            d["name"] = self.name
-        return d
 
 
 class TemplateRejected(jinja2.TemplateError):

@@ -1,36 +1,30 @@
 """The gateway's exception tree. Each maps to one HTTP status and OpenAI-style error body in one place
-(the error middleware in api.py); foreign errors are translated at the boundary with `raise ... from`.
+(the error middleware, middleware.py); foreign errors are translated at the boundary with `raise ... from`.
+
+The base and the request errors are OpenAI's (gateway.protocol.openai.errors, shared with the workers'
+OpenAI routes): `GatewayError` is `OpenAIError`. The rest are the gateway's own.
 """
 
 from __future__ import annotations
 
+from gateway.protocol.openai.errors import InvalidRequest, ModelNotFound, NotFound, OpenAIError, PromptTooLong
 
-class GatewayError(Exception):
-    status: int = 500
-    type: str = "internal_error"
-    code: str | None = None
+__all__ = [
+    "Forbidden",
+    "GatewayError",
+    "InvalidRequest",
+    "ModelNotFound",
+    "NoWorkerAvailable",
+    "NotFound",
+    "Overloaded",
+    "PromptTooLong",
+    "RequestTooLarge",
+    "Unauthorized",
+    "UpstreamFailed",
+    "UpstreamRejected",
+]
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if code is not None:
-            self.code = code
-
-    def body(self) -> dict[str, object]:
-        err: dict[str, object] = {"message": self.message, "type": self.type, "code": self.code}
-        if self.param is not None:
-            err["param"] = self.param
-        return {"error": err}
-
-
-class InvalidRequest(GatewayError):
-    status = 400
-    type = "invalid_request_error"
-
-
-class PromptTooLong(InvalidRequest):
-    code = "context_length_exceeded"
+GatewayError = OpenAIError
 
 
 class RequestTooLarge(GatewayError):
@@ -48,15 +42,6 @@ class Unauthorized(GatewayError):
 class Forbidden(GatewayError):
     status = 403
     type = "permission_error"
-
-
-class NotFound(GatewayError):
-    status = 404
-    type = "not_found_error"
-
-
-class ModelNotFound(NotFound):
-    code = "model_not_found"
 
 
 class Overloaded(GatewayError):

@@ -1,17 +1,19 @@
 """Response bodies and stream chunks for each client API: OpenAI completions, OpenAI chat, SGLang native.
 
 A format is per request. `chunks(step)` gives the SSE payloads for one step, `closing()` what follows
-the last step (a usage chunk), `response(text)` the whole body of a non-streamed request.
+the last step (a usage chunk), `response(text)` the whole body of a non-streamed request. The OpenAI
+shapes are gateway.protocol.openai.envelopes' (a worker's OpenAI routes send the same); `OpenAIFormat`
+feeds one a `Generation`'s steps. SGLang's native form is the gateway's own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from gateway.protocol.openai import envelopes
+from gateway.protocol.openai.envelopes import Envelope, Json
 from gateway.server.api.generation import Finish, Generation, Step
-
-Json = dict[str, Any]
 
 
 class Format(Protocol):
@@ -23,89 +25,27 @@ class Format(Protocol):
 
 
 def usage(g: Generation) -> Json:
-    return {
-        "prompt_tokens": g.prompt_tokens,
-        "completion_tokens": g.completion_tokens,
-        "total_tokens": g.prompt_tokens + g.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
-    }
-
-
-@dataclass(slots=True)
-class _OpenAI:
-    rid: str
-    model: str
-    created: int
-    include_usage: bool = False
-
-    def _base(self, obj: str, choices: list[Json]) -> Json:
-        return {
-            "id": self.rid,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def _chunk(self, obj: str, choice: Json) -> Json:
-        chunk = self._base(obj, [choice])
-        if self.include_usage:
-            chunk["usage"] = None  # OpenAI: every chunk carries usage: null when usage is requested
-        return chunk
-
-    def closing(self, g: Generation) -> list[Json]:
-        return [self._base(self._chunk_object, []) | {"usage": usage(g)}] if self.include_usage else []
-
-    _chunk_object = ""
+    return envelopes.usage(g.prompt_tokens, g.completion_tokens, g.cached_tokens)
 
 
 def _reason(finish: Finish | None) -> str | None:
     return None if finish is None else finish.reason
 
 
-@dataclass(slots=True)
-class CompletionFormat(_OpenAI):
-    _chunk_object = "text_completion"
+class OpenAIFormat:
+    """An OpenAI completion or chat envelope, fed a Generation."""
+
+    def __init__(self, envelope: Envelope) -> None:
+        self.envelope = envelope
 
     def chunks(self, step: Step, g: Generation) -> list[Json]:
-        if not step.text and step.finish is None:
-            return []
-        choice = {"index": 0, "text": step.text, "logprobs": None, "finish_reason": _reason(step.finish)}
-        return [self._chunk("text_completion", choice)]
+        return self.envelope.chunks(step.text, _reason(step.finish))
+
+    def closing(self, g: Generation) -> list[Json]:
+        return [self.envelope.usage_chunk(usage(g))] if self.envelope.include_usage else []
 
     def response(self, text: str, g: Generation) -> Json:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _reason(g.finish)}
-        return self._base("text_completion", [choice]) | {"usage": usage(g)}
-
-
-@dataclass(slots=True)
-class ChatFormat(_OpenAI):
-    _chunk_object = "chat.completion.chunk"
-    _started: bool = False
-
-    def _delta(self, delta: Json, finish: Finish | None = None) -> Json:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _reason(finish)}
-        return self._chunk("chat.completion.chunk", choice)
-
-    def chunks(self, step: Step, g: Generation) -> list[Json]:
-        out = []
-        if not self._started:
-            self._started = True
-            out.append(self._delta({"role": "assistant", "content": ""}))
-        if step.text:
-            out.append(self._delta({"content": step.text}))
-        if step.finish is not None:
-            out.append(self._delta({}, step.finish))
-        return out
-
-    def response(self, text: str, g: Generation) -> Json:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": _reason(g.finish),
-        }
-        return self._base("chat.completion", [choice]) | {"usage": usage(g)}
+        return self.envelope.response(text, _reason(g.finish), usage(g))
 
 
 @dataclass(slots=True)

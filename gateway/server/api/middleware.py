@@ -1,8 +1,8 @@
-"""The one place errors become HTTP responses: OpenAI-style `{"error": {"message", "type", "code"}}`.
+"""The one place errors become HTTP responses: OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 
 GatewayError -> its status and body; aiohttp's own HTTP errors (unknown route, wrong method, body too
 large) -> the same JSON shape; anything else -> 500 with a generic message, the traceback logged and
-never shown. A stream that has begun handles its own errors (see openai_api), since its status is sent.
+never shown. A stream that has begun handles its own errors (see routes.py), since its status is sent.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import msgspec
 import structlog
 from aiohttp import hdrs, web
 
+from gateway.protocol.openai.errors import error_body
 from gateway.server.api.errors import GatewayError, NotFound, RequestTooLarge, Unauthorized
 
 log = structlog.get_logger(__name__)
@@ -23,7 +24,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def json_error(
     status: int, message: str, type_: str, code: str | None, headers: dict[str, str] | None = None
 ) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "code": code}}
+    body = error_body(message, type_, code)
     return web.Response(
         status=status, body=msgspec.json.encode(body), content_type="application/json", headers=headers
     )

@@ -1,7 +1,8 @@
 """Client routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate.
 
-A handler reads and validates the request, tokenizes it (applying the chat template), builds a
-`GenerateJob`, and renders what `Generator.generate` yields. It never sees workers.
+A handler reads and validates the request (gateway.protocol.openai.requests, against the Bounds of
+schemas.py), tokenizes it (applying the chat template), builds a `GenerateJob`, and renders what
+`Generator.generate` yields (formats.py, over gateway.protocol.openai.envelopes). It never sees workers.
 
 Streams are SSE. The first step is awaited before the response starts, so a failure before any
 output is an ordinary JSON error with its own status. A GatewayError after the stream has begun is
@@ -22,29 +23,35 @@ import structlog
 from aiohttp import web
 
 from gateway.config import Config
-from gateway.server.api.auth import check_bearer
-from gateway.server.api.chat_template import ChatTemplate
-from gateway.server.api.detokenize import Detokenizer
-from gateway.server.api.errors import GatewayError, ModelNotFound, RequestTooLarge
-from gateway.server.api.formats import ChatFormat, CompletionFormat, Format, NativeFormat
-from gateway.server.api.generation import Generation
-from gateway.server.api.jobs import GenerateJob, Generator, Sampling
-from gateway.server.api.params import decode_object
-from gateway.server.api.schemas import (
+from gateway.protocol.openai.envelopes import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ChatEnvelope,
+    CompletionEnvelope,
+    sse_event,
+)
+from gateway.protocol.openai.errors import error_body
+from gateway.protocol.openai.fields import decode_object
+from gateway.protocol.openai.requests import (
     Bounds,
     Prompt,
     SamplingRequest,
-    check_prompt_length,
     parse_chat,
     parse_completion,
     parse_generate,
 )
+from gateway.server.api.auth import check_bearer
+from gateway.server.api.chat_template import ChatTemplate
+from gateway.server.api.detokenize import Detokenizer
+from gateway.server.api.errors import GatewayError, ModelNotFound, RequestTooLarge
+from gateway.server.api.formats import Format, NativeFormat, OpenAIFormat
+from gateway.server.api.generation import Generation
+from gateway.server.api.jobs import GenerateJob, Generator, Sampling
+from gateway.server.api.schemas import bounds_of, check_prompt_length
 from gateway.server.api.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-SSE_DONE = b"data: [DONE]\n\n"
 # texts longer than this are tokenized off the event loop
 _THREAD_ENCODE_CHARS = 32 * 1024
 
@@ -103,7 +110,7 @@ def add_client_routes(
         tokenizer=tokenizer,
         generator=generator,
         template=ChatTemplate.load(config.tokenizer.chat_template, tokenizer),
-        bounds=Bounds.of(config, tokenizer.vocab_size),
+        bounds=bounds_of(config, tokenizer.vocab_size),
         eos_ids=eos,
         created=int(time.time()),
     )
@@ -155,7 +162,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
     ids = await api.encode(req.prompt, add_special_tokens=True, param="prompt")
     job = api.job(f"cmpl-{uuid.uuid4().hex}", ids, req.sampling, req.stream, _labels(request, "completions"))
-    fmt = CompletionFormat(job.rid, api.bounds.model, int(time.time()), req.include_usage)
+    fmt = OpenAIFormat(CompletionEnvelope(job.rid, req.model, int(time.time()), req.include_usage))
     return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
 
 
@@ -166,7 +173,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # the template places BOS and other specials itself
     ids = await api.encode(text, add_special_tokens=False, param="messages")
     job = api.job(f"chatcmpl-{uuid.uuid4().hex}", ids, req.sampling, req.stream, _labels(request, "chat"))
-    fmt = ChatFormat(job.rid, api.bounds.model, int(time.time()), req.include_usage)
+    fmt = OpenAIFormat(ChatEnvelope(job.rid, req.model, int(time.time()), req.include_usage))
     return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
 
 
@@ -202,10 +209,6 @@ def _json(obj: object) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
 
 
-def _sse(obj: object) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
 async def respond(request: web.Request, gen: Generation, fmt: Format, stream: bool) -> web.StreamResponse:
     async with gen:  # closes the generator on every way out, cancellation included
         if not stream:
@@ -220,10 +223,10 @@ async def respond(request: web.Request, gen: Generation, fmt: Format, stream: bo
             step = first
             while step is not None:
                 for chunk in fmt.chunks(step, gen):
-                    await resp.write(_sse(chunk))
+                    await resp.write(sse_event(chunk))
                 step = await gen.next()
             for chunk in fmt.closing(gen):
-                await resp.write(_sse(chunk))
+                await resp.write(sse_event(chunk))
             await resp.write(SSE_DONE)
         except ConnectionResetError:
             log.debug("client left mid-stream", rid=gen.job.rid)
@@ -232,14 +235,12 @@ async def respond(request: web.Request, gen: Generation, fmt: Format, stream: bo
         except Exception:
             # the status is already sent, so the error middleware cannot answer: end the stream cleanly
             log.exception("stream failed", rid=gen.job.rid)
-            await _write_error(
-                resp, {"error": {"message": "internal server error", "type": "internal_error", "code": None}}
-            )
+            await _write_error(resp, error_body("internal server error", "internal_error"))
         return resp
 
 
 async def _write_error(resp: web.StreamResponse, body: dict[str, object]) -> None:
     try:
-        await resp.write(_sse(body))
+        await resp.write(sse_event(body))
     except ConnectionResetError:
         pass

@@ -69,6 +69,14 @@ class DraftCoordinator:
         self.pairs = new
         self.metrics.assist_pairs.set(len(new))
 
+    def drafter_of(self, target: str) -> tuple[str, str] | None:
+        """(drafter id, its draft endpoint) of the drafter paired with `target`, or None."""
+        for d, t in self.pairs.items():
+            rec = self.monitor.workers.get(d)
+            if t == target and rec is not None and rec.state is WorkerState.DRAFT_READY:
+                return d, rec.draft_endpoint
+        return None
+
     async def run(self, period_s: float) -> None:
         while True:
             self.reconcile()
