@@ -22,9 +22,18 @@ from gateway.protocol.generate import (
     encode,
     new_output_ids,
 )
-from gateway.protocol.sglang import RID_HEX_DIGITS, SGLangAbort, sglang_rid, sglang_seed, to_sglang
-
-api_types = pytest.importorskip("tests.fixtures.sglang_api_types")
+from gateway.protocol.sglang import (
+    RID_HEX_DIGITS,
+    SGLangAbort,
+    SGLangVerifyMeta,
+    SGLangVerifyResponse,
+    sglang_rid,
+    sglang_seed,
+    to_sglang,
+    verified_tokens,
+    verify_body,
+)
+from tests.fixtures import sglang_api_types as api_types
 
 
 def _req(**sp: object) -> GenerateRequest:
@@ -108,3 +117,31 @@ def test_sglang_chunks_and_error_chunks_decode() -> None:
         decode_chunk(b'{"error": {"message": "out of memory", "code": 500}}')
     with pytest.raises(msgspec.ValidationError):
         decode_chunk(b'{"something": 1}')
+
+
+def _verify_answer(context: list[int], drafts: list[int], greedy: list[int]) -> SGLangVerifyResponse:
+    """What SGLang answers a verification: row 0 null, row i + 1 the greedy token where draft i is,
+    and the output token after the last draft. `greedy[j]` is the target's token at context end + j."""
+    rows = [None, *([(-0.1, greedy[i], None)] for i in range(len(drafts)))]
+    return SGLangVerifyResponse(
+        output_ids=[greedy[len(drafts)]], meta_info=SGLangVerifyMeta(input_top_logprobs=rows)
+    )
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=8), st.data())
+def test_verified_tokens_are_plain_greedy_decodings(drafts: list[int], data: st.DataObject) -> None:
+    greedy = data.draw(st.lists(st.integers(0, 5), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
+    tokens, n_ok = verified_tokens(drafts, _verify_answer([1, 2], drafts, greedy))
+    agree = 0
+    while agree < len(drafts) and drafts[agree] == greedy[agree]:
+        agree += 1
+    assert n_ok == agree and tokens == greedy[: agree + 1]
+
+
+def test_verify_body_asks_for_the_top1_of_every_draft_position() -> None:
+    body = verify_body("r" * 32, [5, 6, 7], [8, 9])
+    assert body.input_ids == [5, 6, 7, 8, 9] and body.logprob_start_len == 2 and body.top_logprobs_num == 1
+    assert body.sampling_params.max_new_tokens == 1 and body.sampling_params.temperature == 0.0
+    api_types.GenerateRequest.from_json_value(json.loads(encode(body)))
+    with pytest.raises(ValueError, match="logprob rows"):
+        verified_tokens([1], SGLangVerifyResponse(output_ids=[1]))
