@@ -10,7 +10,12 @@ Differences from a Lumen worker's request:
 - the seed travels as `sampling_params.sampling_seed` (SGLang hashes seed and position, so a replay of
   prompt + emitted ids continues identically; the server needs `--sampling-backend pytorch`), mapped
   into SGLang's signed 64-bit range;
-- SGLang's default streaming sends cumulative ids (`generate.new_output_ids` handles both forms).
+- SGLang's default streaming sends cumulative ids, and cumulative logprob rows with
+  `return_logprob` (`generate.incremental` handles both forms);
+- logprobs: `return_logprob` and `top_logprobs_num` pass through; SGLang's rows are
+  `[logprob, id, null]` (`srt/managers/tokenizer_manager.py` `detokenize_logprob_tokens`), of the
+  temperature-scaled distribution before top-k/top-p for a sampled request and of the model's own for
+  a greedy one (`srt/layers/sampler.py`, unless the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class SGLangGenerate(msgspec.Struct, omit_defaults=True, kw_only=True):
     rid: str
     input_ids: list[int]
     sampling_params: SGLangSamplingParams
-    stream: bool = True
+    stream: bool = False  # SGLang's default: with omit_defaults, True is always written out
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -81,6 +86,10 @@ def to_sglang(req: GenerateRequest, *, seed_base: int | None) -> SGLangGenerate:
             sampling_seed=None if greedy or seed_base is None else sglang_seed(seed_base),
         ),
         stream=req.stream,
+        # output logprobs only: logprob_start_len stays -1 (SGLang: len(input_ids), no prompt rows,
+        # and the prefix cache is not limited by it, srt/managers/scheduler.py)
+        return_logprob=req.return_logprob,
+        top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
     )
 
 

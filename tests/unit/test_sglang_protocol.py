@@ -145,3 +145,8 @@ def test_verify_body_asks_for_the_top1_of_every_draft_position() -> None:
     api_types.GenerateRequest.from_json_value(json.loads(encode(body)))
     with pytest.raises(ValueError, match="logprob rows"):
         verified_tokens([1], SGLangVerifyResponse(output_ids=[1]))
+
+
+def test_a_streaming_request_says_so() -> None:
+    """SGLang's default is not to stream: `stream: true` must be on the wire."""
+    assert json.loads(encode(to_sglang(_req(temperature=0.0), seed_base=None)))["stream"] is True
