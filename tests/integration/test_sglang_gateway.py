@@ -65,9 +65,11 @@ async def wait_until(cond: Any, limit_s: float) -> None:
             await asyncio.sleep(0.01)
 
 
-async def stream_ids(http: aiohttp.ClientSession, prompt: list[int], seeded: bool) -> list[int]:
+async def stream_ids(
+    http: aiohttp.ClientSession, prompt: list[int], seeded: bool, max_tokens: int = MAX_TOKENS
+) -> list[int]:
     """One streaming completion; the ids decoded back from the byte text the client received."""
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
     body.update({"temperature": 0.8, "seed": SEED} if seeded else {"temperature": 0.0})
     text = ""
     async with http.post("/v1/completions", json=body) as resp:
