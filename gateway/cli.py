@@ -81,10 +81,58 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
         extra["engine.backend"] = args.backend
     if args.time_scale is not None:
         extra["engine.time_scale"] = args.time_scale
+    sglang = None
+    if args.engine == "sglang":
+        sglang = _sglang_launch(args)
+        extra["gateway.served_model_name"] = args.model  # SGLang's own default name
+        if (Path(args.model) / "tokenizer.json").is_file():
+            extra["tokenizer.kind"] = "hf"
+            extra["tokenizer.path"] = str(Path(args.model) / "tokenizer.json")
+    elif args.tail or args.model or args.tp is not None:
+        raise _usage("--model, --tp and arguments after -- are for --engine sglang")
     cfg = _load(args, extra)
     configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
-    _run(run_cluster(cfg, log_dir=Path(args.log_dir) if args.log_dir else None))
+    _run(run_cluster(cfg, log_dir=Path(args.log_dir) if args.log_dir else None, sglang=sglang))
     return 0
+
+
+SGLANG_MISSING = (
+    "lumen: sglang is not installed. `lumen cluster up --engine sglang` runs SGLang servers "
+    "(sglang 0.5.23), which need CUDA GPUs: pip install 'lumen[sglang]' (see docs/sglang.md)."
+)
+
+
+def _sglang_launch(args: argparse.Namespace) -> Any:
+    """What to launch for `--engine sglang`, or SystemExit(2) with the reason (sglang missing, no GPUs)."""
+    import importlib.util
+
+    from gateway.cluster.sglang import SGLangLaunch, gpu_groups, visible_gpus
+
+    if not args.model:
+        raise _usage("--engine sglang needs --model PATH (a HuggingFace folder or hub id)")
+    # the testing hook: another launcher (a stand-in) in place of `python -m sglang.launch_server`
+    stand_in = bool(os.environ.get("LUMEN_SGLANG_LAUNCHER", "").strip())
+    if not stand_in and importlib.util.find_spec("sglang") is None:  # looked up, never imported
+        print(SGLANG_MISSING, file=sys.stderr)
+        raise SystemExit(2)
+    tp = 1 if args.tp is None else args.tp
+    gpus = visible_gpus(os.environ) or None
+    if gpus is None and not stand_in:
+        print("lumen: --engine sglang needs CUDA GPUs, and none is visible (nvidia-smi, CUDA_VISIBLE_DEVICES)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    if gpus is not None:
+        try:
+            gpu_groups(gpus, tp, args.workers)
+        except ValueError as exc:
+            print(f"lumen: {exc}", file=sys.stderr)
+            raise SystemExit(2) from exc
+    return SGLangLaunch(model=args.model, tp=tp, workers=args.workers, extra=tuple(args.tail), gpus=gpus)
+
+
+def _usage(message: str) -> SystemExit:
+    print(f"lumen cluster up: {message}", file=sys.stderr)
+    return SystemExit(2)
 
 
 def _admin(port: int, method: str, path: str) -> Any:
@@ -151,6 +199,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def exec_sglang_agent(argv: list[str]) -> int:
+    """`lumen sglang-agent ARGS`: become the sidecar agent (the gateway's parts never import worker_hooks,
+    so the agent runs as its own module; `python -m worker_hooks.sglang --help` lists its flags)."""
+    os.execv(sys.executable, [sys.executable, "-m", "worker_hooks.sglang", *argv])
+    return 0  # not reached
+
+
+def cmd_sglang_agent(args: argparse.Namespace) -> int:  # reached only through build_parser() users
+    return exec_sglang_agent([])
+
+
 def cmd_loadtest(args: argparse.Namespace, rest: list[str]) -> int:
     from loadtests.sidebyside import main as sbs_main
 
@@ -205,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-device", default="cpu", help="cpu, cuda or cuda:N")
     p.set_defaults(func=cmd_worker)
 
+    p = sub.add_parser(
+        "sglang-agent",
+        add_help=False,
+        help="run the sidecar agent beside one SGLang server: --url URL --gateway HOST:PORT [--id ID] "
+        "[--launch -- <sglang launch_server args>] (--help: its flags)",
+    )
+    p.set_defaults(func=cmd_sglang_agent)
+
     cl = sub.add_parser("cluster", help="a local cluster: gateway + N worker processes")
     csub = cl.add_subparsers(dest="cluster_cmd", metavar="ACTION")
     p = csub.add_parser("up", help="start and supervise; runs until SIGINT/SIGTERM")
@@ -214,7 +281,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=list(Backend))
     p.add_argument("--time-scale", type=float)
     p.add_argument("--log-dir")
-    p.set_defaults(func=cmd_cluster_up)
+    p.add_argument(
+        "--engine",
+        choices=["lumen", "sglang"],
+        default="lumen",
+        help="lumen: Lumen's workers; sglang: one SGLang server per --tp GPUs, each with its sidecar "
+        "agent (arguments after -- go to sglang.launch_server)",
+    )
+    p.add_argument("--model", help="--engine sglang: the model (a HuggingFace folder or hub id)")
+    p.add_argument("--tp", type=int, help="--engine sglang: GPUs per server (default 1)")
+    p.set_defaults(func=cmd_cluster_up, takes_tail=True)
     p = csub.add_parser("kill", help="kill -9 (or hang, stall, slow) a worker of a running local cluster")
     p.add_argument("worker_id")
     p.add_argument("--port", type=int, default=8000)
@@ -264,17 +340,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sglang-agent"]:  # every flag, --help and the arguments after -- are the agent's
+        return exec_sglang_agent(argv[1:])
+    tail: list[str] = []
+    if "--" in argv:  # what follows `--` belongs to the command (cluster up: sglang.launch_server)
+        i = argv.index("--")
+        argv, tail = argv[:i], argv[i + 1 :]
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
+    args.tail = tail
     from gateway.config import ConfigError
 
     try:
         if getattr(args, "passthrough", False):
-            return int(func(args, rest) or 0)
+            return int(func(args, rest + (["--", *tail] if tail else [])) or 0)
+        if tail and not getattr(args, "takes_tail", False):
+            parser.error(f"unrecognized arguments: -- {' '.join(tail)}")
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return int(func(args) or 0)

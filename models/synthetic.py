@@ -8,6 +8,12 @@ From a state the model derives K candidate ids and K pseudo-logits. Greedy decod
 sampling applies temperature, top-k and top-p over the candidates and inverts the CDF at a uniform
 drawn from `(seed_base, position)` alone, so the same position samples the same token on any worker.
 Pure Python and about a dozen integer mixes per token.
+
+Log probabilities (`token_logprob`) are SGLang's (srt/layers/sampler.py, its default): the
+log-softmax of the logits divided by the request's temperature (1 for a greedy request), before top-k
+and top-p cut anything. The model's distribution is over its K candidates, the mass of candidates that
+share an id added up; every other id has probability 0, so at most K distinct ids are ever reported as
+the most likely. A pure function of the context state: every worker reports the same values.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.protocol.generate import SamplingParams
+from gateway.protocol.generate import SamplingParams, TokenLogprob
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, the splitmix64 increment
@@ -136,6 +142,30 @@ class SyntheticModel:
             if target < acc:
                 return token
         return cands[len(weights) - 1][1]
+
+    def token_logprob(self, h: int, token: int, sampler: Sampler, top_n: int = 0) -> TokenLogprob:
+        """`token`'s log probability after a context with state `h`, and the `top_n` most likely ids
+        (most likely first, ties by id); None for an id the model gives no mass."""
+        t = 1.0 if sampler.greedy else sampler.temperature
+        scaled: dict[int, list[float]] = {}
+        for logit, tid in self.candidates(h):
+            scaled.setdefault(tid, []).append(logit / t)
+        lse = _logsumexp([x for xs in scaled.values() for x in xs])
+        lps = {tid: _logsumexp(xs) - lse for tid, xs in scaled.items()}
+        top: tuple[tuple[float | None, int], ...] = ()
+        if top_n > 0:
+            ranked = sorted(lps.items(), key=_by_logprob)[:top_n]
+            top = tuple((lp, tid) for tid, lp in ranked)
+        return TokenLogprob(token, lps.get(token), top)
+
+
+def _logsumexp(xs: list[float]) -> float:
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+def _by_logprob(item: tuple[int, float]) -> tuple[float, int]:
+    return (-item[1], item[0])
 
 
 def _logit(c: tuple[float, int]) -> float:

@@ -3,12 +3,18 @@
 It keeps the gateway's replay contract: greedy is argmax; otherwise temperature, top-k and top-p, then
 the CDF is inverted at the uniform of `(seed_base, position)`, so a seeded request samples the same
 token at the same position on any worker. The torch scheduler and the torch drafter both sample here.
+
+`token_logprob` is SGLang's logprob (srt/layers/sampler.py, its default): the log-softmax of the
+logits divided by the temperature (1 for a greedy request), before top-k and top-p, in float64.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from gateway.protocol.generate import TokenLogprob
 from models.synthetic import Sampler
 
 
@@ -33,3 +39,19 @@ def sample_token(logits: torch.Tensor, sampler: Sampler, position: int) -> int:
     target = torch.tensor(sampler.uniform(position) * total, dtype=cdf.dtype)
     i = min(int(torch.searchsorted(cdf[:keep], target, right=True)), keep - 1)
     return int(idx[i])
+
+
+def token_logprob(logits: torch.Tensor, sampler: Sampler, token: int, top_n: int = 0) -> TokenLogprob:
+    """`token`'s log probability under `logits` ([vocab]) and the `top_n` most likely tokens (most
+    likely first); -inf is reported as None."""
+    t = 1.0 if sampler.greedy else sampler.temperature
+    lp = torch.log_softmax(logits.to(torch.float64) / t, dim=-1)
+    top: tuple[tuple[float | None, int], ...] = ()
+    if top_n > 0:
+        vals, idx = torch.topk(lp, min(top_n, lp.numel()))
+        top = tuple((_finite(v), int(i)) for v, i in zip(vals.tolist(), idx.tolist(), strict=True))
+    return TokenLogprob(token, _finite(float(lp[token])), top)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,4 +1,10 @@
-"""Foreground runner for `lumen cluster up`: the gateway plus supervised workers, until a signal."""
+"""Foreground runner for `lumen cluster up`: the gateway plus supervised workers, until a signal.
+
+Workers are Lumen's own (`LocalCluster`) or, with `sglang` given, SGLang servers beside their sidecar
+agents (`SGLangCluster`). The ready line also carries the gateway's start on `time.monotonic()`
+(`started_at_monotonic`): `/admin/events` times are relative to it, so a test on the same Linux host
+can put a worker's events (agents print theirs on the same clock) and the gateway's on one line.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from pathlib import Path
 
 import structlog
 
+from gateway.cluster.sglang import SGLangCluster, SGLangLaunch, agent_specs
 from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
 from gateway.config import Config
 from gateway.server.app import Gateway
@@ -15,33 +22,57 @@ from gateway.server.runner import announce, stop_event
 
 log = structlog.get_logger("lumen.runner")
 
+SGLANG_READY_TIMEOUT_S = 1800.0  # a real model takes minutes to load
 
-async def run_cluster(config: Config, *, log_dir: Path | None = None, ready_timeout_s: float = 60.0) -> None:
+
+async def run_cluster(
+    config: Config,
+    *,
+    log_dir: Path | None = None,
+    ready_timeout_s: float | None = None,
+    sglang: SGLangLaunch | None = None,
+) -> None:
     stop = stop_event()
     logs = log_dir or Path(tempfile.mkdtemp(prefix="lumen-cluster-"))
-    cluster: LocalCluster | None = None
+    cluster: LocalCluster | SGLangCluster | None = None
     gw = Gateway(config)
     await gw.start()
     try:
-        tokens = synthetic_token_range(config.tokenizer.kind, gw.tokenizer.vocab_size)
-        specs = worker_specs(config, f"{config.gateway.control_host}:{gw.control_port}", tokens)
-        cluster = LocalCluster(specs, log_dir=logs, restart_killed=config.cluster.restart_killed)
+        control = f"{config.gateway.control_host}:{gw.control_port}"
+        if sglang is None:
+            tokens = synthetic_token_range(config.tokenizer.kind, gw.tokenizer.vocab_size)
+            specs = worker_specs(config, control, tokens)
+            cluster = LocalCluster(specs, log_dir=logs, restart_killed=config.cluster.restart_killed)
+            n = len(specs)
+            timeout_s = 60.0 if ready_timeout_s is None else ready_timeout_s
+        else:
+            agents = agent_specs(
+                sglang,
+                control,
+                default_workers=config.cluster.workers,
+                failure_domains=config.cluster.failure_domains,
+                restart=config.cluster.restart_killed,
+                log_level=config.gateway.log_level,
+            )
+            cluster = SGLangCluster(agents, log_dir=logs, control_token=config.gateway.control_token)
+            n = len(agents)
+            timeout_s = SGLANG_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
         gw.fault_injector = cluster
         await cluster.start()
-        ready = await _wait_healthy(gw, len(specs), ready_timeout_s, stop)
+        ready = await _wait_healthy(gw, n, timeout_s, stop)
         if not ready:
-            log.error(
-                "cluster_not_ready", healthy=gw.monitor.healthy_count(), want=len(specs), logs=str(logs)
-            )
+            log.error("cluster_not_ready", healthy=gw.monitor.healthy_count(), want=n, logs=str(logs))
         announce(
             {
                 "event": "ready" if ready else "degraded",
                 "url": f"http://{config.gateway.host}:{gw.http_port}",
                 "control_port": gw.control_port,
-                "workers": len(specs),
+                "workers": n,
                 "healthy_workers": gw.monitor.healthy_count(),
                 "mode": config.recovery.mode,
+                "engine": "lumen" if sglang is None else "sglang",
                 "logs": str(logs),
+                "started_at_monotonic": gw.started_at,
             }
         )
         await stop.wait()

@@ -65,7 +65,7 @@ class LimitsSection:
     max_new_tokens: int = 8192  # upper bound on max_tokens a client may ask for
     default_max_tokens: int = 256
     max_concurrent_requests: int = 8192
-    max_n: int = 1
+    max_n: int = 16  # the most choices (`n`) one request may ask for; each is a session of its own
 
 
 @dataclass(frozen=True, slots=True)

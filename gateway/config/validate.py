@@ -19,6 +19,8 @@ from gateway.core.pairing import PairingParams
 from gateway.core.types import LoadParams, ParamError
 from gateway.protocol.launch import TORCH_PRESETS
 
+MAX_N = 128  # limits.max_n's ceiling
+
 
 def _check(ok: bool, key: str, value: object, why: str) -> None:
     if not ok:
@@ -84,7 +86,12 @@ def _limits(cfg: Config) -> None:
         f"must be in 1..limits.max_new_tokens ({lim.max_new_tokens})",
     )
     _positive("limits.max_concurrent_requests", lim.max_concurrent_requests)
-    _check(lim.max_n == 1, "limits.max_n", lim.max_n, "only n = 1 is supported")
+    _check(
+        1 <= lim.max_n <= MAX_N,
+        "limits.max_n",
+        lim.max_n,
+        f"must be in 1..{MAX_N} (each choice is a request of its own on the workers)",
+    )
 
 
 def _tokenizer(cfg: Config) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 VOCAB_SIZE = 259
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 SPECIALS = {"<|bos|>": BOS_ID, "<|eos|>": EOS_ID, "<|pad|>": PAD_ID}
+_SPECIAL_TEXT = {i: t for t, i in SPECIALS.items()}
 
 
 def encode(text: str) -> list[int]:
@@ -26,6 +27,13 @@ def encode(text: str) -> list[int]:
         ids.append(SPECIALS[special])
         rest = rest[cut + len(special) :]
     return ids
+
+
+def token_bytes(token_id: int) -> bytes:
+    """One token's bytes: the byte itself, a special token's text, b"" for an id outside the vocabulary."""
+    if 0 <= token_id < 256:
+        return bytes((token_id,))
+    return _SPECIAL_TEXT.get(token_id, "").encode("utf-8")
 
 
 def decode(ids: Iterable[int]) -> str:

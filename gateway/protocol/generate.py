@@ -6,8 +6,10 @@ token ids: it tokenizes itself because it must know the prompt ids to resume a r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -56,12 +58,20 @@ class LumenExt(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Unknown top-level fields are ignored, as SGLang does; a missing rid gets one from the worker."""
+    """Unknown top-level fields are ignored, as SGLang does; a missing rid gets one from the worker.
+
+    `return_logprob` asks for the log probability of every output token (`meta_info.
+    output_token_logprobs`), `top_logprobs_num` > 0 also for that many most likely tokens at each
+    position (`meta_info.output_top_logprobs`): SGLang's fields and shapes. Prompt logprobs
+    (SGLang's `logprob_start_len`) are not part of the subset.
+    """
 
     input_ids: list[int]
     rid: str = ""
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
     lumen: LumenExt | None = None
 
 
@@ -78,12 +88,23 @@ class FinishReason(msgspec.Struct, omit_defaults=True):
     message: str | None = None
 
 
+# SGLang's logprob row: (logprob, token id, token text or null unless `return_text_in_logprobs`).
+# A logprob SGLang could not represent (-inf, serialised by orjson as null) reads as None.
+LogprobRow = tuple[float | None, int, str | None]
+
+
 class MetaInfo(msgspec.Struct, omit_defaults=True):
     id: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    # with `return_logprob`: one row per output id of the chunk (all ids so far in SGLang's default
+    # cumulative streaming, the chunk's new ids in the incremental form), and with top_logprobs_num > 0
+    # one list of that many rows per output id, most likely first
+    # (srt/managers/tokenizer_manager.py `add_logprob_to_meta_info`, `_slice_streaming_output_meta_info`)
+    output_token_logprobs: list[LogprobRow] = msgspec.field(default_factory=list)
+    output_top_logprobs: list[list[LogprobRow] | None] = msgspec.field(default_factory=list)
     # Lumen additions
     restored_tokens: int = 0
     worker_id: str | None = None
@@ -120,6 +141,67 @@ class _StreamPayload(msgspec.Struct):
     meta_info: MetaInfo | None = None
     text: str | None = None
     error: _ErrorDetail | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log probability and the most likely tokens at its position, (logprob, id)
+    pairs, most likely first. A logprob is None where the worker sent none it could represent."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[float | None, int], ...] = ()
+
+
+def logprob_meta(logprobs: Sequence[TokenLogprob], top_n: int) -> dict[str, list[Any]]:
+    """`output_token_logprobs` (and `output_top_logprobs` when top_n > 0) for these tokens, as a worker
+    sends them in `meta_info` (texts null: `return_text_in_logprobs` is not part of the subset)."""
+    meta: dict[str, list[Any]] = {"output_token_logprobs": [(t.logprob, t.token_id, None) for t in logprobs]}
+    if top_n > 0:
+        meta["output_top_logprobs"] = [[(lp, i, None) for lp, i in t.top] for t in logprobs]
+    return meta
+
+
+def token_logprobs(meta: MetaInfo, ids: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """The logprobs of `ids`, the chunk's new output ids (after `incremental`), from its meta_info.
+
+    Raises ValueError when the chunk carries fewer rows than ids or rows for other ids.
+    """
+    rows, tops = meta.output_token_logprobs, meta.output_top_logprobs
+    if len(rows) != len(ids):
+        raise ValueError(f"{len(ids)} new output ids but {len(rows)} logprob rows")
+    if tops and len(tops) != len(ids):
+        raise ValueError(f"{len(ids)} new output ids but {len(tops)} top-logprob rows")
+    out = []
+    for k, (token, (lp, rid, _text)) in enumerate(zip(ids, rows, strict=True)):
+        if rid != token:
+            raise ValueError(f"logprob row {k} is for token {rid}, the output id is {token}")
+        top = tops[k] if tops else None
+        out.append(TokenLogprob(token, lp, tuple((t[0], t[1]) for t in top) if top else ()))
+    return tuple(out)
+
+
+def incremental(chunk: GenerateChunk, received: int) -> GenerateChunk:
+    """`chunk` with only what was not received before on this stream: its new output ids and, when it
+    carries logprobs, their rows. `received` counts the ids received so far on this stream.
+
+    SGLang's default streaming repeats every id so far, and with `return_logprob` every logprob row
+    so far too (`add_logprob_to_meta_info` reports the request's whole lists; only
+    `--incremental-streaming-output` slices them per chunk), so ids and rows are cut at the same
+    offset. Returns `chunk` itself when it is already incremental.
+    """
+    ids = new_output_ids(chunk, received)
+    if ids is chunk.output_ids:
+        return chunk
+    meta = chunk.meta_info
+    cut = len(chunk.output_ids) - len(ids)
+    if meta.output_token_logprobs or meta.output_top_logprobs:
+        meta = msgspec.structs.replace(
+            meta,
+            output_token_logprobs=meta.output_token_logprobs[cut:],
+            output_top_logprobs=meta.output_top_logprobs[cut:],
+        )
+    return GenerateChunk(ids, meta, chunk.text)
 
 
 def new_output_ids(chunk: GenerateChunk, received: int) -> list[int]:

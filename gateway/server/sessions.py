@@ -28,7 +28,17 @@ from gateway.core.health import ALIVE_STATES
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.protocol.generate import EngineKind, GenerateRequest, HolderRef, LumenExt, SamplingParams, encode
+from gateway.protocol.generate import (
+    EngineKind,
+    GenerateChunk,
+    GenerateRequest,
+    HolderRef,
+    LumenExt,
+    SamplingParams,
+    TokenLogprob,
+    encode,
+    token_logprobs,
+)
 from gateway.protocol.sglang import SGLangAbort, SGLangGenerate, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import GenerateJob, TokenDelta
@@ -235,6 +245,8 @@ class SessionManager:
                 ignore_eos=sp.ignore_eos,
             ),
             stream=True,
+            return_logprob=s.job.logprobs is not None,
+            top_logprobs_num=s.job.logprobs or 0,
             lumen=LumenExt(
                 epoch=worker.incarnation, seed_base=s.seed_base, attempt=s.attempts, checkpoint=holders
             ),
@@ -242,7 +254,8 @@ class SessionManager:
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
         body: msgspec.Struct = to_sglang(req, seed_base=s.seed_base) if sglang else req
         assist = None
-        greedy = sp.temperature <= 0.0 or sp.top_k == 1  # assisted output must stay exact
+        # assisted output must stay exact, and has no logprobs (a verification gives only the top-1)
+        greedy = (sp.temperature <= 0.0 or sp.top_k == 1) and s.job.logprobs is None
         if isinstance(body, SGLangGenerate) and greedy and self.verifier is not None:
             assist = self.verifier.for_target(worker.id)
         stream: WorkerStream | AssistedStream
@@ -278,6 +291,9 @@ class SessionManager:
                     fin = chunk.meta_info.finish_reason
                     if not ids and fin is None:
                         continue
+                    if fin is not None and fin.type == "abort":  # its ids were not sent: not emitted
+                        raise WorkerLost(f"worker aborted the request: {fin.message or ''}")
+                    lps = self._logprobs(s, chunk, worker)
                     if ids:
                         now = self._on_tokens(s, worker, len(ids), chunk.meta_info.restored_tokens)
                         if prev_chunk_at is not None and self.monitor.measure_tokens:  # gray failures
@@ -286,9 +302,7 @@ class SessionManager:
                             )
                         prev_chunk_at = now
                         s.emitted.extend(ids)
-                    finish = None if fin is None else ("abort" if fin.type == "abort" else fin.type)
-                    if finish == "abort":
-                        raise WorkerLost(f"worker aborted the request: {fin.message if fin else ''}")
+                    finish = None if fin is None else fin.type
                     s.finish_reason = finish
                     yield TokenDelta(
                         tuple(ids),
@@ -297,6 +311,7 @@ class SessionManager:
                         if fin is not None and isinstance(fin.matched, int)
                         else None,
                         cached_tokens=chunk.meta_info.cached_tokens,
+                        logprobs=lps,
                     )
                     if finish is not None:
                         return
@@ -310,6 +325,16 @@ class SessionManager:
             if sglang and s.finish_reason is None and isinstance(body, SGLangGenerate):
                 # closing the stream is not enough for every SGLang deployment: abort it by rid
                 self._abort_on(worker, body.rid)
+
+    @staticmethod
+    def _logprobs(s: Session, chunk: GenerateChunk, worker: WorkerRecord) -> tuple[TokenLogprob, ...]:
+        """The chunk's logprobs when the job asked for them; a chunk without them is the worker's error."""
+        if s.job.logprobs is None or not chunk.output_ids:
+            return ()
+        try:
+            return token_logprobs(chunk.meta_info, chunk.output_ids)
+        except ValueError as exc:
+            raise WorkerLost(f"worker {worker.id} sent bad logprobs: {exc}", worker_error=True) from exc
 
     def _abort_on(self, worker: WorkerRecord, rid: str) -> None:
         """Ask an SGLang server to drop `rid` (the client left, or the request moved elsewhere).

@@ -15,8 +15,6 @@ from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 from loadtests.demo import expected_text
 
-pytestmark = pytest.mark.e2e
-
 # Robust on a loaded 2-core CI box: a late heartbeat must not fence a healthy worker. Kill -9 is
 # still detected at once (the control stream breaks); hangs take interval x misses.
 E2E_OVERRIDES: dict[str, Any] = {

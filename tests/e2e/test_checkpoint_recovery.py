@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from tests.e2e.conftest import (
     admin,
     assert_exact,
@@ -49,6 +51,7 @@ async def test_kill_in_lumen_mode_restores_on_holders(cluster_factory) -> None:
     assert sum(w["restores_total"] for w in ws) >= len(restored)
 
 
+@pytest.mark.slow  # re-homing: also in integration/test_checkpoint_manager.py, in process
 async def test_holder_dying_first_gets_its_requests_a_new_holder(cluster_factory) -> None:
     c = cluster_factory(
         workers=4, mode="lumen", **LUMEN, **{"recovery.tau": 0, "cluster.restart_killed": False}
@@ -77,6 +80,7 @@ async def test_holder_dying_first_gets_its_requests_a_new_holder(cluster_factory
     assert any(i["action"] == "restore" and i["restored_tokens"] > 0 for i in inter), inter
 
 
+@pytest.mark.slow  # two replicas: also in integration/test_checkpoint_manager.py, in process
 async def test_two_replicas_survive_server_and_holder_dying_together(cluster_factory) -> None:
     c = cluster_factory(
         workers=4,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from tests.e2e.conftest import (
     admin,
     assert_exact,
@@ -28,6 +30,7 @@ def by_id(ws: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {w["id"]: w for w in ws}
 
 
+@pytest.mark.slow  # in process: integration/test_draft_coordinator.py, test_progressive_recovery.py
 async def test_restarted_worker_drafts_for_a_survivor_then_serves(cluster_factory) -> None:
     c = cluster_factory(workers=3, mode="lumen", **PROGRESSIVE)
     reqs = make_requests(36, seed=31, min_out=350, max_out=500)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.e2e.conftest import (
     admin,
     assert_exact,
@@ -66,6 +68,7 @@ async def test_hung_worker_is_fenced_and_its_zombie_tokens_never_reach_clients(c
     )
 
 
+@pytest.mark.slow  # the default run kills once (test_kill_busiest_worker_mid_generation)
 async def test_second_failure_during_replay(cluster_factory) -> None:
     c = cluster_factory(workers=3, mode="stop_restart", **{"cluster.restart_killed": False})
     reqs = make_requests(30, seed=13, min_out=120, max_out=200)

@@ -9,6 +9,7 @@ import statistics
 import time
 
 import aiohttp
+import pytest
 
 from loadtests.client import RequestResult
 from loadtests.faults import FaultRunner, FaultSchedule, resolve_group
@@ -18,6 +19,7 @@ from tests.e2e.conftest import admin, assert_exact, make_requests, run_requests,
 LUMEN = {"engine.page_size": 16, "checkpoint.payload_scale": 0.001, "recovery.tau": 0}
 
 
+@pytest.mark.slow  # the default run fires a schedule too: the slow-fault test below
 async def test_slow_then_top_holder_and_random_killed_at_once(cluster_factory) -> None:
     c = cluster_factory(workers=4, mode="lumen", **LUMEN)
     reqs = make_requests(32, seed=31, min_out=150, max_out=250)

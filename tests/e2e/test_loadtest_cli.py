@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SIM_KEYS = {
     "ttft_mean_s",
     "tpot_mean_s",
@@ -19,20 +21,37 @@ SIM_KEYS = {
 }
 
 
-def test_loadtest_writes_the_sim_contract(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("modes", "run"),
+    [
+        # one mode (and its no-failure reference), a short and light load: two clusters, not three
+        pytest.param(
+            "lumen",
+            ["--duration", "2", "--kill-at", "1", "--model-load-s", "0.5", "--scale", "0.2"],
+            id="short",
+        ),
+        pytest.param(
+            "none,lumen",
+            ["--duration", "6", "--kill-at", "2.5", "--model-load-s", "2"],
+            id="full",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_loadtest_writes_the_sim_contract(tmp_path: Path, modes: str, run: list[str]) -> None:
     out = tmp_path / "lt"
     cmd = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", "paper-4w", "--out", str(out)]
-    cmd += ["--modes", "none,lumen", "--duration", "6", "--rate", "6", "--kill-at", "2.5"]
-    cmd += ["--model-load-s", "2", "--max-running", "8", "--set", "engine.page_size=16", "--poll", "0.5"]
+    cmd += ["--modes", modes, "--rate", "6", *run]
+    cmd += ["--max-running", "8", "--set", "engine.page_size=16", "--poll", "0.5"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert {"workers", "simulated_s", "wall_s", "seed"} <= set(summary)
-    assert set(summary["modes"]) == {"none", "lumen"}
+    assert set(summary["modes"]) == set(modes.split(","))
     for mode, row in summary["modes"].items():
         assert set(row) >= SIM_KEYS, (mode, sorted(row))
         assert row["requests"] > 0 and row["faults"], row
     assert summary["modes"]["lumen"]["client_errors"] == 0
     table = (out / "summary.md").read_text()
-    assert "| lumen |" in table and "| none |" in table
+    assert all(f"| {mode} |" in table for mode in summary["modes"])
     assert (out / "timeline.png").stat().st_size > 0

@@ -78,6 +78,7 @@ async def generate(
     return ids, None
 
 
+@pytest.mark.slow  # torch workers in process (restore, drafting): integration/test_torch_engine.py
 async def test_torch_cluster_survives_a_kill_with_exact_outputs(cluster_factory: Any) -> None:
     reqs = workload(24, seed=5)
     truth = expected_outputs(reqs, model="tiny", page_size=PS)

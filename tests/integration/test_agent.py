@@ -22,8 +22,8 @@ from gateway.protocol.control_pb2_grpc import ControlServicer, add_ControlServic
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
 from gateway.protocol.launch import EngineSpec, encode_spec
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
-from worker_hooks.engine.synthetic import expected_output
-from worker_hooks.engine.worker import Worker, start_worker
+from models.synthetic import expected_output
+from worker_hooks.engine.service import Worker, start_worker
 
 
 @dataclass
@@ -124,6 +124,14 @@ async def wait_until(cond: Any, within: float = 5.0) -> None:
         if loop.time() > deadline:
             raise TimeoutError(f"condition not met within {within} s")
         await asyncio.sleep(0.005)
+
+
+async def beats_composed_after_now(session: Session, w: Worker, n: int = 2) -> None:
+    """Wait until the gateway has received `n` heartbeats whose contents were read from the engine after
+    this call (the beat being written now may carry older state: it counts for nothing)."""
+    assert w.agent is not None
+    sent = w.agent.heartbeats_sent  # this session's beats so far (tests with one session only)
+    await wait_until(lambda: len(session.heartbeats) >= sent + 1 + n)
 
 
 @pytest.fixture
@@ -243,12 +251,22 @@ async def test_messages_for_another_incarnation_are_dropped(attached: tuple[Fake
     gw, w = attached
     session = gw.sessions[0]
     inc = session.hello.incarnation
+    assert w.agent is not None
+    handled: list[str | None] = []
+    agent_handle = w.agent.handle
+
+    def handle(msg: pb.GatewayMessage) -> None:  # the agent's dispatch, recording what it applied
+        handled.append(msg.WhichOneof("body"))
+        agent_handle(msg)
+
+    w.agent.handle = handle  # type: ignore[method-assign]
     session.outbox.put_nowait(pb.GatewayMessage(incarnation=inc - 1, drain=pb.Drain()))
     session.outbox.put_nowait(
         pb.GatewayMessage(incarnation=inc, drop_checkpoint=pb.DropCheckpoint(rids=["x"]))
     )
-    await asyncio.sleep(0.1)
-    assert w.engine.phase.value == "SERVING"
+    # one stream, read in order: once the second message is handled, the first was read (and dropped)
+    await wait_until(lambda: "drop_checkpoint" in handled)
+    assert handled == ["drop_checkpoint"] and w.engine.phase.value == "SERVING"
     session.outbox.put_nowait(pb.GatewayMessage(incarnation=inc, drain=pb.Drain()))
     await wait_until(lambda: bool(session.heartbeats) and session.heartbeats[-1].phase == pb.DRAINING)
     assert w.incarnation == inc  # commands do not end the session
@@ -259,8 +277,19 @@ async def test_unreachable_gateway_is_retried_without_resetting() -> None:
         pass  # the port is closed again
     async with start_worker(spec(address)) as w:
         inc = w.incarnation
-        await asyncio.sleep(0.3)
-        assert w.agent is not None and w.agent.sessions == 0 and w.incarnation == inc
+        assert w.agent is not None
+        attempts: list[int] = []
+        session = w.agent._session
+
+        async def counted() -> None:
+            attempts.append(1)
+            await session()
+
+        w.agent._session = counted  # type: ignore[method-assign]
+        # a second counted attempt starts only after the first failed and the agent went round its loop,
+        # where an answered session would have reset the incarnation
+        await wait_until(lambda: len(attempts) >= 2)
+        assert w.agent.sessions == 0 and w.incarnation == inc
 
 
 async def test_worker_process_attaches_under_uvloop() -> None:
@@ -364,7 +393,7 @@ async def test_abandoned_checkpoints_are_reported() -> None:
             )
         )
         await wait_until(lambda: any("lagging" in b.abandoned_checkpoints for b in session.heartbeats))
-        await asyncio.sleep(0.1)
+        await beats_composed_after_now(session, w, 3)
         assert sum(list(b.abandoned_checkpoints).count("lagging") for b in session.heartbeats) == 1
 
 
@@ -440,5 +469,5 @@ async def test_heartbeats_carry_the_targets_draft_stats() -> None:
             pb.GatewayMessage(incarnation=w.incarnation, stop_draft_assist=pb.StopDraftAssist(peer_id="w-d"))
         )
         await wait_until(lambda: w.engine.assist.speculator is None)
-        await asyncio.sleep(0.05)
+        await beats_composed_after_now(session, w)
         assert session.heartbeats[-1].draft == d_stats  # totals outlive the pair

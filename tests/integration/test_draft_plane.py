@@ -14,14 +14,14 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from draft_models.assist import Draft, DraftClient
+from draft_models.client import Draft, DraftClient
 from draft_models.drafter import DrafterServer
-from draft_models.synthetic import SyntheticDrafter, verify_synthetic
+from draft_models.synthetic_drafter import SyntheticDrafter, verify_synthetic
 from draft_models.verify import Uniforms, VerifyMode, mode_for
 from gateway.core.costmodel import CostModel
 from gateway.protocol import draft
 from gateway.protocol.generate import SamplingParams
-from worker_hooks.engine.synthetic import Sampler, SyntheticModel, expected_output, finish_of, mix64
+from models.synthetic import Sampler, SyntheticModel, expected_output, finish_of, mix64
 
 TIMEOUT = 2.0  # generous: the loopback round trip is well under a millisecond
 

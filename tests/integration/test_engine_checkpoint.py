@@ -23,11 +23,11 @@ from gateway.protocol.generate import (
 )
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.pagekeys import page_keys
+from models.synthetic import expected_output
 from worker_hooks.agent import Agent
 from worker_hooks.engine.checkpointing import PageBytes
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.synthetic import expected_output
-from worker_hooks.engine.worker import Worker, start_worker
+from worker_hooks.engine.service import Worker, start_worker
 from worker_hooks.kv.payload import page_bytes, verify
 from worker_hooks.kv.store import CheckpointStore
 
@@ -293,7 +293,9 @@ async def test_abort_request_drops_the_checkpoint_but_a_disconnect_keeps_it() ->
         async with client.post(a.url + "/abort_request", json={"rid": "dropped"}) as r:
             assert (await r.json())["aborted"] == ["dropped"]
         await until(lambda: store(b).durable_tokens("dropped") == 0)
-        await asyncio.sleep(0.05)
+        # a's link to b sent one control message, that DROP: the disconnect (before it) sent none
+        sender = a.engine.ckpt.sender
+        assert sender is not None and sender.stats()[b.kv_endpoint].controls == 1
         assert store(b).durable_tokens("kept") >= 48
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from gateway.protocol.generate import GenerateChunk, SamplingParams, decode_chunk
 from gateway.protocol.launch import EngineSpec, encode_spec
-from worker_hooks.engine.synthetic import expected_output
-from worker_hooks.engine.worker import Worker, start_worker
+from models.synthetic import expected_output
+from worker_hooks.engine.service import Worker, start_worker
 
 FAST = {"model": "Qwen3-0.6B", "gpu": "H100-80G", "time_scale": 0.01}
 
@@ -347,16 +347,28 @@ async def test_module_entry_point_rejects_a_bad_spec() -> None:
     assert proc.returncode == 2 and b"control_address" in err
 
 
-async def test_parent_watchdog_stops_an_orphaned_worker() -> None:
+async def test_parent_watchdog_stops_an_orphaned_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker_hooks.engine.__main__ import watch_parent
 
     stop = asyncio.Event()
     await asyncio.wait_for(watch_parent(os.getppid() + 1_000_000, stop), 1)  # "re-parented" already
     assert stop.is_set()
+    # a live parent: the watchdog polls on and on. Poll often, and count its looks at the parent
+    monkeypatch.setattr(sys.modules[watch_parent.__module__], "PARENT_POLL_S", 0.01)
+    getppid, looks = os.getppid, []
+    parent = getppid()
+
+    def counting_getppid() -> int:
+        looks.append(1)
+        return getppid()
+
+    monkeypatch.setattr(os, "getppid", counting_getppid)
     stop = asyncio.Event()
-    task = asyncio.create_task(watch_parent(os.getppid(), stop))
-    await asyncio.sleep(0.05)
-    assert not task.done()
+    task = asyncio.create_task(watch_parent(parent, stop))
+    async with asyncio.timeout(5):
+        while len(looks) < 3:  # the parent seen at the start and after two polls
+            await asyncio.sleep(0.005)
+    assert not task.done() and not stop.is_set()
     stop.set()  # a normal shutdown ends the watchdog too
     await asyncio.wait_for(task, 1)
 

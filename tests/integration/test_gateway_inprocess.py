@@ -15,8 +15,8 @@ from gateway.config import load_config
 from gateway.protocol.generate import SamplingParams
 from gateway.protocol.launch import EngineSpec
 from gateway.server.app import Gateway
-from worker_hooks.engine.synthetic import expected_output
-from worker_hooks.engine.worker import start_worker
+from models.synthetic import expected_output
+from worker_hooks.engine.service import start_worker
 
 MODEL = "lumen-synthetic"
 

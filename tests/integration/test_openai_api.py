@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.config import Config, GatewaySection, LimitsSection, TokenizerSection
+from gateway.protocol.generate import TokenLogprob
 from gateway.server.api.errors import GatewayError, NoWorkerAvailable, UpstreamFailed
 from gateway.server.api.jobs import GenerateJob, TokenDelta
 from gateway.server.api.middleware import error_middleware
@@ -58,10 +59,13 @@ class FakeGenerator:
                 if self.fail_at is not None and sent >= self.fail_at:
                     raise self.error
                 ids: list[int] = []
+                lps: list[TokenLogprob] = []
                 finish, matched = None, None
                 while len(ids) < self.per and finish is None:
                     tok = prompt[sent % len(prompt)]
                     ids.append(tok)
+                    if job.logprobs is not None:
+                        lps.append(fake_logprob(tok, sent, job.logprobs))
                     sent += 1
                     if tok in s.stop_token_ids:
                         finish, matched = "stop", tok
@@ -72,12 +76,18 @@ class FakeGenerator:
                 if finish is not None:  # the final delta: closing the iterator after it is normal
                     done = True
                     self.finished.append(job.rid)
-                yield TokenDelta(tuple(ids), finish, matched, self.cached)  # type: ignore[arg-type]
+                yield TokenDelta(tuple(ids), finish, matched, self.cached, tuple(lps))  # type: ignore[arg-type]
                 if done:
                     return
         finally:
             if not done:
                 self.closed.append(job.rid)
+
+
+def fake_logprob(token: int, position: int, top_n: int) -> TokenLogprob:
+    """Output position p's logprob is -p/8; its top tokens are the token and the bytes after it."""
+    lp = -position / 8
+    return TokenLogprob(token, lp, tuple((lp - j, (token + j) % 256) for j in range(top_n)))
 
 
 Factory = Callable[..., Awaitable[tuple[TestClient[web.Request, web.Application], FakeGenerator]]]
@@ -268,6 +278,87 @@ async def test_chat_stream_usage_chunk(make: Factory) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# n choices, log probabilities
+
+
+async def test_n_choices_with_logprobs(make: Factory) -> None:
+    client, gen = await make(per=3, cached=2)
+    body = {"prompt": "hello", "max_tokens": 7, "n": 3, "seed": 5, "logprobs": 2}
+    status, resp = await post(client, "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in resp["choices"]] == [0, 1, 2]
+    assert all(c["text"] == "hellohe" and c["finish_reason"] == "length" for c in resp["choices"])
+    # the prompt counts once, completions add up, cached tokens are the first choice's
+    assert resp["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 21,
+        "total_tokens": 26,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    lp = resp["choices"][1]["logprobs"]
+    assert lp["tokens"] == list("hellohe") and lp["text_offset"] == list(range(7))
+    assert lp["token_logprobs"] == [-p / 8 for p in range(7)]
+    assert lp["top_logprobs"][0] == {"h": 0.0, "i": -1.0}
+    rid = resp["id"]
+    assert [j.rid for j in gen.jobs] == [f"{rid}-{i}" for i in range(3)]
+    assert [j.sampling.seed for j in gen.jobs] == [5, 6, 7] and all(j.logprobs == 2 for j in gen.jobs)
+
+
+async def test_n_choices_stream(make: Factory) -> None:
+    client, gen = await make(per=2)
+    body = {**CHAT, "max_tokens": 5, "n": 2, "stream": True, "logprobs": True, "top_logprobs": 1}
+    body["stream_options"] = {"include_usage": True}
+    status, events = await post(client, "/v1/chat/completions", body)
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = events[:-2]
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(m["delta"].get("content", "") for m in mine) == RENDERED[:5]
+        assert [m["finish_reason"] for m in mine][-1] == "length"
+        content = [e for m in mine if m["logprobs"] for e in m["logprobs"]["content"]]
+        assert [e["token"] for e in content] == list(RENDERED[:5])
+        assert [e["logprob"] for e in content] == [-p / 8 for p in range(5)]
+        assert all(e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 1 for e in content)
+    assert events[-2]["usage"]["completion_tokens"] == 10
+    assert all(j.seed is None for j in (g.sampling for g in gen.jobs))  # each session draws its own
+
+
+@pytest.mark.parametrize("per", [1, 2, 3])
+async def test_stop_string_across_chunks_keeps_logprobs(make: Factory, per: int) -> None:
+    """A stop string split over deltas: the text stops before it; logprobs cover every id received."""
+    client, _ = await make(per=per)
+    body = {"prompt": "hello world", "stop": "o w", "max_tokens": 50, "logprobs": 0, "stream": True}
+    _, events = await post(client, "/v1/completions", body)
+    choices = [e["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in choices) == "hell" and choices[-1]["finish_reason"] == "stop"
+    tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    received = -(-len("hello w") // per) * per  # whole deltas, up to the one that completed the stop
+    assert "".join(tokens) == "hello world"[:received]
+    offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == list(range(len(tokens)))
+    assert all(c["logprobs"]["top_logprobs"] == [{}] * len(c["logprobs"]["tokens"]) for c in choices)
+
+
+async def test_one_failing_choice_fails_the_request(make: Factory) -> None:
+    client, gen = await make(per=1, delay=0.001, fail_at=3)
+    status, body = await post(client, "/v1/completions", {"prompt": "hello", "n": 2, "max_tokens": 9})
+    assert_error(status, body, 502)
+    assert sorted(gen.closed) == sorted(j.rid for j in gen.jobs)  # nothing left running
+
+
+async def test_generate_with_logprobs(make: Factory) -> None:
+    client, _ = await make(per=2)
+    body = {"input_ids": [104, 105, 106], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
+            "top_logprobs_num": 1, "return_text_in_logprobs": True, "stream": True}  # fmt: skip
+    _, events = await post(client, "/generate", body)
+    meta = events[-2]["meta_info"]
+    assert meta["output_token_logprobs"] == [[0.0, 104, "h"], [-0.125, 105, "i"], [-0.25, 106, "j"]]
+    assert meta["output_top_logprobs"] == [[r] for r in meta["output_token_logprobs"]]
+    assert len(events[0]["meta_info"]["output_token_logprobs"]) == 2  # cumulative, as the ids
+
+
+# --------------------------------------------------------------------------------------------------
 # SGLang native /generate
 
 
@@ -327,8 +418,14 @@ async def test_generate_stop_token(make: Factory) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 101}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
         ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"prompt": []}, 400, "prompt"),

@@ -16,18 +16,18 @@ from typing import Any
 import aiohttp
 import pytest
 
-from draft_models.assist import DraftClient
+from draft_models.client import DraftClient
 from gateway.core.health import Phase
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams, decode_chunk
 from gateway.protocol.launch import EngineSpec
+from models.synthetic import expected_output
 from worker_hooks.agent import Agent
 from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.loading import LoadPlan, load_plan
+from worker_hooks.engine.service import Worker, start_worker
 from worker_hooks.engine.speculative import MAX_MISSES
-from worker_hooks.engine.synthetic import expected_output
-from worker_hooks.engine.worker import Worker, start_worker
 
 # Qwen3-8B drafted by Qwen3-0.6B (a registered pair); tiny time_scale keeps every test fast
 BASE: dict[str, Any] = {

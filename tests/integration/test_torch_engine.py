@@ -21,7 +21,7 @@ from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, Samp
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.agent import Agent
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.worker import Worker, start_worker
+from worker_hooks.engine.service import Worker, start_worker
 
 PS = 8
 BASE: dict[str, Any] = {
@@ -171,8 +171,9 @@ async def test_a_worker_serves_a_huggingface_folder(tmp_path: Any) -> None:
     weights are the "tiny" preset's, so the outputs must equal a preset worker's."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from models.torch_config import PRESETS
+    from models.torch_weights import random_model, save_model
     from worker_hooks.engine.torch_backend import expected_outputs
-    from worker_hooks.engine.torch_model import PRESETS, random_model, save_model
 
     folder = tmp_path / "tiny-hf"
     save_model(random_model(PRESETS["tiny"], seed=0), folder, shard_bytes=40_000)
@@ -182,8 +183,8 @@ async def test_a_worker_serves_a_huggingface_folder(tmp_path: Any) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.save(str(folder / "tokenizer.json"))
     # the gateway reads the folder's tokenizer; its ids are the ids the model embeds
-    from gateway.server.config import TokenizerSection
-    from gateway.server.tokenizer import make_tokenizer
+    from gateway.config import TokenizerSection
+    from gateway.server.api.tokenizer import make_tokenizer
 
     gateway_tok = make_tokenizer(TokenizerSection(kind="hf", path=str(folder / "tokenizer.json")))
     assert gateway_tok.vocab_size == 259 == PRESETS["tiny"].vocab_size

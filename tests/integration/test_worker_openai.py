@@ -310,7 +310,8 @@ BAD_COMPLETION: list[tuple[dict[str, Any], str]] = [
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"echo": True}, "echo"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 6}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
     ({"best_of": 3}, "best_of"),
 ]
 BAD_CHAT: list[tuple[dict[str, Any], str]] = [
@@ -322,7 +323,9 @@ BAD_CHAT: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_completion_tokens": -5}, "max_completion_tokens"),
@@ -423,3 +426,37 @@ async def test_an_engine_abort_ends_the_stream_with_an_error_and_no_done(
             assert resp.status == 503
             err = await resp.json()
         assert err["error"]["code"] == "request_aborted" and err["error"]["type"] == "service_unavailable"
+
+
+# -- log probabilities -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+async def test_logprobs_are_the_engines(worker: Worker, client: aiohttp.ClientSession, sampling: str) -> None:
+    """/generate's rows, the completion's and the chat's logprobs are the same numbers, streamed or not."""
+    oai, params, seed = SAMPLING[sampling]
+    ids = list(PROMPT.encode())
+    body = {"input_ids": ids, "sampling_params": params | {"max_new_tokens": 12}, "stream": False,
+            "lumen": {"seed_base": seed}, "return_logprob": True, "top_logprobs_num": 3}  # fmt: skip
+    async with client.post(worker.url + "/generate", json=body) as r:
+        meta = (await r.json())["meta_info"]
+    rows, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(rows) == len(tops) == 12 and all(len(t) <= 3 for t in tops)
+    cmpl = {"prompt": ids, "max_tokens": 12, "logprobs": 3, **oai}
+    async with client.post(worker.url + "/v1/completions", json=cmpl) as r:
+        lp = (await r.json())["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [row[0] for row in rows]
+    assert [list(d.values()) for d in lp["top_logprobs"]] == [[t[0] for t in top] for top in tops]
+    async with client.post(worker.url + "/v1/completions", json=cmpl | {"stream": True}) as r:
+        events, _ = await sse(r)
+    streamed = [
+        v
+        for e in events
+        if e["choices"]
+        for v in (e["choices"][0]["logprobs"] or {}).get("token_logprobs", [])
+    ]
+    assert streamed == lp["token_logprobs"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "logprobs": True, **oai}
+    async with client.post(worker.url + "/v1/chat/completions", json=chat) as r:
+        content = (await r.json())["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(c["top_logprobs"] == [] and c["bytes"] for c in content)

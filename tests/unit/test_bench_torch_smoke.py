@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a benchmark in a subprocess; the APIs it times are tested in test_torch_model.py
 def test_bench_torch_quick_writes_every_measurement(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_torch.py"), "--device", "cpu", "--quick"]
     proc = subprocess.run(

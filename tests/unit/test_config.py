@@ -24,6 +24,8 @@ def test_default_file_matches_schema_defaults() -> None:
         ("gateway.port", 70000, "TCP port"),
         ("model.preset", "GPT-9", "unknown preset"),
         ("limits.default_max_tokens", 100000, "must be in 1..limits.max_new_tokens"),
+        ("limits.max_n", 0, "must be in 1..128"),
+        ("limits.max_n", 129, "must be in 1..128"),
         ("draft.k_initial", 99, "k_min..k_max"),
         ("engine.time_scale", True, "must be a number"),
         ("recovery.bogus", 1, "unknown key"),

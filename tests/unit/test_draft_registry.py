@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from draft_models.registry import (
+from gateway.config import DraftPair, DraftSection
+from gateway.core.costmodel import MODELS, ModelSpec
+from gateway.core.draftpairs import (
     DraftRegistry,
     IncompatibleDraftError,
     check_pair,
@@ -12,8 +14,6 @@ from draft_models.registry import (
     tokenizer_family,
     validate_pairs,
 )
-from gateway.config import DraftPair, DraftSection
-from gateway.core.costmodel import MODELS, ModelSpec
 
 
 def test_the_default_config_pairs_validate_and_look_up() -> None:

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 
 from draft_models.distribution import Dist, mix, residual, target_dist
-from draft_models.synthetic import SyntheticDrafter
+from draft_models.synthetic_drafter import SyntheticDrafter
 from gateway.protocol.generate import SamplingParams
-from worker_hooks.engine.synthetic import Sampler, SyntheticModel, mix64
+from models.synthetic import Sampler, SyntheticModel, mix64
 
 LO, HI = 32, 127
 GREEDY = Sampler.from_params(SamplingParams(temperature=0.0))

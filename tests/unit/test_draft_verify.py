@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draft_models.distribution import Dist, target_dist
-from draft_models.synthetic import SyntheticDrafter, verify_synthetic
+from draft_models.synthetic_drafter import SyntheticDrafter, verify_synthetic
 from draft_models.verify import Uniforms, Verdict, VerifyMode, mode_for, verify_match, verify_rejection
 from gateway.protocol.generate import SamplingParams
-from worker_hooks.engine.synthetic import Sampler, SyntheticModel, expected_output, finish_of, mix64
+from models.synthetic import Sampler, SyntheticModel, expected_output, finish_of, mix64
 
 LO, HI = 32, 127
 MODEL = SyntheticModel(0, LO, HI)

@@ -226,9 +226,11 @@ def evolved(draw: st.DrawFn, p: LoadParams) -> ClusterView:
 
 
 # -- the properties ------------------------------------------------------------------------------------
-@settings(max_examples=400)
-@given(st.data(), load_params)
-def test_route_matches_reference(data: st.DataObject, p: LoadParams) -> None:
+def test_route_matches_reference(search: settings) -> None:
+    search(given(st.data(), load_params)(route_matches_reference))()
+
+
+def route_matches_reference(data: st.DataObject, p: LoadParams) -> None:
     view = data.draw(evolved(p))
     exclude = tuple(data.draw(st.lists(st.sampled_from(IDS), max_size=3)))
     assert choose_worker(view, p, exclude) == ref_choose_worker(view, p, exclude)
@@ -236,9 +238,11 @@ def test_route_matches_reference(data: st.DataObject, p: LoadParams) -> None:
     assert choose_worker(fresh, p, exclude) == ref_choose_worker(fresh, p, exclude)
 
 
-@settings(max_examples=400)
-@given(st.data(), holder_params, st.integers(0, 20 * MiB))
-def test_holders_match_reference(data: st.DataObject, p: HolderParams, need: int) -> None:
+def test_holders_match_reference(search: settings) -> None:
+    search(given(st.data(), holder_params, st.integers(0, 20 * MiB))(holders_match_reference))()
+
+
+def holders_match_reference(data: st.DataObject, p: HolderParams, need: int) -> None:
     view = data.draw(evolved(p.load))
     serving = data.draw(st.sampled_from(IDS))
     alive = tuple(data.draw(st.lists(st.sampled_from(IDS), max_size=2)))
@@ -246,9 +250,11 @@ def test_holders_match_reference(data: st.DataObject, p: HolderParams, need: int
     assert reassign_holders(view, serving, alive, need, p) == ref_reassign(view, serving, alive, need, p)
 
 
-@settings(max_examples=400)
-@given(st.data(), dispatch_params)
-def test_dispatch_matches_reference(data: st.DataObject, p: DispatchParams) -> None:
+def test_dispatch_matches_reference(search: settings) -> None:
+    search(given(st.data(), dispatch_params)(dispatch_matches_reference))()
+
+
+def dispatch_matches_reference(data: st.DataObject, p: DispatchParams) -> None:
     view = data.draw(evolved(p.load))
     failed = data.draw(st.sampled_from(IDS))  # in the view or not, serving or not
     holders = tuple(data.draw(st.lists(st.sampled_from(IDS), max_size=3)))
@@ -276,9 +282,11 @@ def test_uniform_step_time_is_the_cost_models(
     assert uniform_step_time(cost, decoding, context, prefill) == cost.step_time(work)
 
 
-@settings(max_examples=400)
-@given(st.data(), load_params)
-def test_derived_view_equals_a_fresh_one(data: st.DataObject, p: LoadParams) -> None:
+def test_derived_view_equals_a_fresh_one(search: settings) -> None:
+    search(given(st.data(), load_params)(derived_view_equals_a_fresh_one))()
+
+
+def derived_view_equals_a_fresh_one(data: st.DataObject, p: LoadParams) -> None:
     view = data.draw(evolved(p))
     fresh = ClusterView(dict(view.workers))
     assert view == fresh

@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol.generate import SamplingParams
-from worker_hooks.engine.pages import PagePool, PagePoolError, pages_for
+from models.paging import pages_for
+from models.synthetic import SyntheticModel, expected_output
+from worker_hooks.engine.pages import PagePool, PagePoolError
 from worker_hooks.engine.scheduler import Emission, Scheduler, StepResult
-from worker_hooks.engine.synthetic import SyntheticModel, expected_output
 
 MODEL = SyntheticModel(0, 32, 127)
 

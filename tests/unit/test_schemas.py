@@ -79,7 +79,7 @@ def test_wrong_type_names_the_field(field: str, parse: Any, base: dict[str, Any]
 
 COMPLETION_ONLY: dict[str, Any] = {
     "prompt": lambda v: isinstance(v, str | list),
-    "logprobs": lambda v: False,
+    "logprobs": lambda v: v is False or (INT(v) and 0 <= v <= 5),
     "echo": lambda v: v is False,
     "best_of": lambda v: INT(v) and v == 1,
     "suffix": lambda v: v == "",
@@ -210,7 +210,7 @@ def test_missing_prompt_and_unknown_model() -> None:
 
 @pytest.mark.parametrize(
     "field,value",
-    [("logprobs", 1), ("logprobs", True), ("echo", True), ("best_of", 2), ("suffix", "x")],
+    [("echo", True), ("best_of", 2), ("suffix", "x")],
 )
 def test_unsupported_completion_features(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequest, match="not supported") as exc:
@@ -272,8 +272,9 @@ def test_bad_messages(messages: Any, param: str) -> None:
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("logprobs", True),
-        ("top_logprobs", 2),
+        ("logprobs", 1),
+        ("top_logprobs", 2),  # without logprobs: true
+        ("top_logprobs", True),
         ("tools", [{"type": "function"}]),
         ("response_format", {"type": "json_object"}),
         ("max_completion_tokens", 0),
@@ -283,6 +284,47 @@ def test_chat_unsupported_or_bad(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequest) as exc:
         parse_chat({**CHAT, field: value}, B)
     assert exc.value.param == field
+
+
+BN = Bounds(model="m", max_new_tokens=100, default_max_tokens=16, vocab_size=259, max_n=4)
+
+
+def test_n_and_logprobs() -> None:
+    req = parse_completion({**COMPLETION, "n": 4, "best_of": 4, "logprobs": 0}, BN)
+    assert (req.n, req.logprobs) == (4, 0)
+    assert parse_completion({**COMPLETION, "logprobs": 5}, BN).logprobs == 5
+    assert parse_completion({**COMPLETION, "logprobs": False}, BN).logprobs is None  # read as absent
+    assert parse_completion(COMPLETION, BN).logprobs is None and parse_completion(COMPLETION, BN).n == 1
+    chat = parse_chat({**CHAT, "n": 2, "logprobs": True, "top_logprobs": 20}, BN)
+    assert (chat.n, chat.logprobs) == (2, 20)
+    assert parse_chat({**CHAT, "logprobs": True}, BN).logprobs == 0
+    assert parse_chat({**CHAT, "logprobs": False, "top_logprobs": 0}, BN).logprobs is None
+    gen = parse_generate({**GENERATE, "return_logprob": True, "top_logprobs_num": 3}, BN)
+    assert gen.logprobs == 3 and not gen.return_text_in_logprobs
+    assert parse_generate({**GENERATE, "top_logprobs_num": 3}, BN).logprobs is None
+
+
+@pytest.mark.parametrize(
+    "parse,body,param",
+    [
+        (parse_completion, {**COMPLETION, "n": 5}, "n"),
+        (parse_completion, {**COMPLETION, "n": 0}, "n"),
+        (parse_completion, {**COMPLETION, "n": 2, "best_of": 3}, "best_of"),
+        (parse_completion, {**COMPLETION, "logprobs": 6}, "logprobs"),
+        (parse_completion, {**COMPLETION, "logprobs": -1}, "logprobs"),
+        (parse_completion, {**COMPLETION, "logprobs": True}, "logprobs"),
+        (parse_chat, {**CHAT, "n": 5}, "n"),
+        (parse_chat, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (parse_chat, {**CHAT, "logprobs": "yes"}, "logprobs"),
+        (parse_generate, {**GENERATE, "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        (parse_generate, {**GENERATE, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+        (parse_generate, {**GENERATE, "return_logprob": 1}, "return_logprob"),
+    ],
+)
+def test_bad_n_and_logprobs(parse: Any, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        parse(body, BN)
+    assert exc.value.param == param and param in exc.value.message
 
 
 def test_chat_accepts_neutral_values() -> None:

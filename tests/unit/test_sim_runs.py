@@ -35,7 +35,11 @@ def small(failures: str, **workload: float) -> Scenario:
     )
 
 
-@pytest.mark.parametrize("failures", sorted(FAILURES))
+@pytest.mark.parametrize(
+    "failures",
+    # the default run: a kill (failover) and a gray failure (no interruption); the rest in `-m slow`
+    [pytest.param(f, marks=() if f in ("kill", "gray") else pytest.mark.slow) for f in sorted(FAILURES)],
+)
 def test_every_request_completes_or_is_counted_as_failed(failures: str) -> None:
     s = small(failures)
     workload = build_workload(s, 3)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol.generate import SamplingParams
-from worker_hooks.engine.synthetic import (
+from models.synthetic import (
     K_CANDIDATES,
     MASK64,
     Sampler,

@@ -238,3 +238,20 @@ def test_template_errors(tmp_path: Path) -> None:
     with pytest.raises(GatewayError) as exc:
         ChatTemplate.load(str(path), ByteTokenizer()).render(MSGS)
     assert exc.value.status == 500
+
+
+def test_hf_token_text_for_logprobs(hf: HFTokenizer) -> None:
+    """One token alone: its bytes add up to the text's (a byte-level vocabulary's own bytes, even for
+    part of a character, whose text alone is U+FFFD); special tokens are shown."""
+    ids = hf.encode("🎉 hi")
+    texts = [hf.token_text(i) for i in ids]
+    assert b"".join(t.raw for t in texts) == "🎉 hi".encode()
+    assert any(t.text == "\ufffd" and t.lossless != "\ufffd" for t in texts)
+    assert hf.token_text(hf.eos_token_ids[0]).text == "</s>"
+    assert hf.token_text(ids[-1]) is hf.token_text(ids[-1])  # cached
+
+
+def test_byte_token_text() -> None:
+    tok = ByteTokenizer()
+    assert [tok.token_text(i).raw for i in b"ok"] == [b"o", b"k"]
+    assert tok.token_text(257).text == "<|eos|>" and tok.token_text(0xE2).text == "\ufffd"

@@ -15,20 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from worker_hooks.engine.torch_model import (  # noqa: E402
-    PRESETS,
-    BatchItem,
-    CausalLM,
-    ModelConfig,
-    PagedKVCache,
-    _buckets,
-    load_model,
-    load_or_init,
-    parse_dtype,
-    random_model,
-    resolve_config,
-    save_model,
-)
+from models.torch_config import PRESETS, ModelConfig, parse_dtype, resolve_config  # noqa: E402
+from models.torch_kv_cache import PagedKVCache  # noqa: E402
+from models.torch_model import BatchItem, CausalLM, _buckets  # noqa: E402
+from models.torch_weights import load_model, load_or_init, random_model, save_model  # noqa: E402
 
 PS = 4  # page size: small, so that every test crosses many page boundaries
 PROMPT = [(i * 37 + 11) % 256 for i in range(45)]

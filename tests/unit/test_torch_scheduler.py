@@ -14,11 +14,12 @@ torch = pytest.importorskip("torch")
 from draft_models.torch_drafter import TorchDrafter  # noqa: E402
 from gateway.protocol.generate import SamplingParams  # noqa: E402
 from gateway.protocol.launch import EngineSpec  # noqa: E402
+from models.synthetic import Sampler  # noqa: E402
+from models.torch_sampling import sample_token  # noqa: E402
 from worker_hooks.engine.pages import PagePool  # noqa: E402
 from worker_hooks.engine.scheduler import Drafts, StepResult  # noqa: E402
-from worker_hooks.engine.synthetic import Sampler  # noqa: E402
 from worker_hooks.engine.torch_backend import TorchBackend  # noqa: E402
-from worker_hooks.engine.torch_scheduler import TorchScheduler, TorchSeq, sample_token  # noqa: E402
+from worker_hooks.engine.torch_scheduler import TorchScheduler, TorchSeq  # noqa: E402
 
 PS = 8
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -32,7 +33,7 @@ def spec(**kw: Any) -> EngineSpec:
         "backend": "torch",
         "torch_model": "tiny",
         "page_size": PS,
-        "torch_threads": 0,
+        "torch_threads": 1,  # torch's default (one per core) spins against the rest of a loaded box
     }
     return EngineSpec(**(base | kw))
 
@@ -237,6 +238,6 @@ def test_500_mixed_requests_with_aborts_never_leak_a_page() -> None:
 
 def test_the_gateway_knows_every_torch_preset() -> None:
     from gateway.protocol.launch import TORCH_PRESETS
-    from worker_hooks.engine.torch_model import PRESETS
+    from models.torch_config import PRESETS
 
     assert set(TORCH_PRESETS) == set(PRESETS)

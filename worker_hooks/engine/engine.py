@@ -247,6 +247,7 @@ class Engine:
         else:
             restored = self.ckpt.restorable(req.input_ids)
             seq = self.scheduler.make_seq(req.rid, req.input_ids, req.sampling_params, seed_base, restored)
+        seq.top_logprobs = req.top_logprobs_num if req.return_logprob else -1
         if not self.scheduler.fits_ever(seq):
             raise errors.PromptTooLong(
                 f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
@@ -255,7 +256,7 @@ class Engine:
         if req.rid in self._handles:
             raise errors.DuplicateRequest(f"request id {req.rid!r} is already in flight")
         self.scheduler.add(seq)
-        handle = RequestHandle(req.rid, len(req.input_ids), self.incarnation, restored)
+        handle = RequestHandle(req.rid, len(req.input_ids), self.incarnation, restored, seq.top_logprobs)
         # only requests a Lumen gateway sent under an epoch are fenced by an incarnation reset;
         # clients talking to the worker directly (or through another gateway) keep their streams
         handle.fenced_by_reset = ext is not None and ext.epoch != 0

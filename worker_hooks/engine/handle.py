@@ -18,10 +18,15 @@ class RequestHandle:
         "prompt_tokens",
         "restored_tokens",
         "rid",
+        "top_logprobs",
     )
 
-    def __init__(self, rid: str, prompt_tokens: int, incarnation: int, restored_tokens: int = 0) -> None:
+    def __init__(
+        self, rid: str, prompt_tokens: int, incarnation: int, restored_tokens: int = 0, top_logprobs: int = -1
+    ) -> None:
         self.rid = rid
+        # -1: no logprobs asked for; k >= 0: each token's, with the k most likely (Seq.top_logprobs)
+        self.top_logprobs = top_logprobs
         self.prompt_tokens = prompt_tokens
         self.incarnation = incarnation  # the incarnation that accepted the request
         # prompt tokens restored from the local checkpoint store instead of prefilled

@@ -11,8 +11,12 @@ The wire shapes are Lumen's gateway's (gateway.protocol.openai): the request par
 is >= 0 with no limit of the worker's own and defaults to 16 for completions, OpenAI's default, and to
 128 for chat, /generate's), the chat messages and default template, the response envelopes and the
 error body `{"error": {"message", "type", "param", "code"}}`. What is the worker's own: the fields it
-cannot honour on top of those the gateway refuses (stop strings, repetition_penalty, logprobs on a
-completion), refused with 400 unless they hold a neutral value; text; sampling; and reading emissions.
+cannot honour on top of those the gateway refuses (stop strings, repetition_penalty, n > 1), refused
+with 400 unless they hold a neutral value; text; sampling; and reading emissions.
+
+Log probabilities (a completion's `logprobs`, a chat's `logprobs` + `top_logprobs`) are the engine's
+(`return_logprob` on its /generate path), rendered by the shared envelopes with the byte vocabulary's
+token texts, as Lumen's gateway renders them.
 
 Text: the synthetic model's vocabulary is the byte vocabulary (`gateway.protocol.bytevocab`, which
 the gateway's `ByteTokenizer` uses too), so a text prompt reaches the engine with the same ids it
@@ -30,14 +34,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
 
 from gateway.protocol import bytevocab
-from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams
+from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams, TokenLogprob
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.openai import requests
 from gateway.protocol.openai.chat import render_default
@@ -48,6 +52,8 @@ from gateway.protocol.openai.envelopes import (
     CompletionEnvelope,
     Envelope,
     Json,
+    Logprob,
+    TokenText,
     sse_event,
     usage,
 )
@@ -68,7 +74,7 @@ DEFAULT_MAX_TOKENS_CHAT = SamplingParams().max_new_tokens
 # then dropped before the shared parser sees them (which would read "" as a stop string, 0 as logprobs)
 Refused = tuple[tuple[str, tuple[object, ...], str], ...]  # (field, its neutral values, why)
 REFUSED: Refused = (("stop", ("", []), "stop strings; send stop_token_ids"),)
-REFUSED_COMPLETION: Refused = (*REFUSED, ("logprobs", (0,), "log probabilities are not returned"))
+REFUSED_COMPLETION: Refused = REFUSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     model: str
+    logprobs: int | None = None  # None: none returned; k: each token's and its top k
 
 
 def bounds(spec: EngineSpec, default_max_tokens: int) -> Bounds:
@@ -98,13 +105,13 @@ def parse_completion(body: Json, spec: EngineSpec) -> OpenAIRequest:
         _refuse(body, REFUSED_COMPLETION), bounds(spec, DEFAULT_MAX_TOKENS_COMPLETIONS)
     )
     ids = bytevocab.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-    return _request(spec, ids, req.sampling, req.stream, req.include_usage, req.model)
+    return _request(spec, ids, req.sampling, req.stream, req.include_usage, req.model, req.logprobs)
 
 
 def parse_chat(body: Json, spec: EngineSpec) -> OpenAIRequest:
     req = requests.parse_chat(_refuse(body, REFUSED), bounds(spec, DEFAULT_MAX_TOKENS_CHAT))
     ids = bytevocab.encode(render_default((m.role, m.content) for m in req.messages))
-    return _request(spec, ids, req.sampling, req.stream, req.include_usage, req.model)
+    return _request(spec, ids, req.sampling, req.stream, req.include_usage, req.model, req.logprobs)
 
 
 def _refuse(body: Json, refused: Refused) -> Json:
@@ -119,7 +126,13 @@ def _refuse(body: Json, refused: Refused) -> Json:
 
 
 def _request(
-    spec: EngineSpec, ids: list[int], s: SamplingRequest, stream: bool, include_usage: bool, model: str
+    spec: EngineSpec,
+    ids: list[int],
+    s: SamplingRequest,
+    stream: bool,
+    include_usage: bool,
+    model: str,
+    logprobs: int | None,
 ) -> OpenAIRequest:
     stop_ids = list(s.stop_token_ids)
     if not s.ignore_eos:  # the request's own stop ids hold even with ignore_eos
@@ -133,7 +146,19 @@ def _request(
         ignore_eos=s.ignore_eos,
     )
     # an empty model name reads as none
-    return OpenAIRequest(ids, params, s.seed or 0, stream, include_usage, model or spec.model)
+    return OpenAIRequest(ids, params, s.seed or 0, stream, include_usage, model or spec.model, logprobs)
+
+
+def _token_text(token_id: int) -> TokenText:
+    raw = bytevocab.token_bytes(token_id)
+    return TokenText(raw.decode("utf-8", errors="replace"), raw)
+
+
+def _logprobs(req: OpenAIRequest, lps: Sequence[TokenLogprob]) -> list[Logprob] | None:
+    if req.logprobs is None:
+        return None
+    tt = _token_text
+    return [Logprob(tt(t.token_id), t.logprob, tuple((tt(i), v) for v, i in t.top)) for t in lps]
 
 
 # -- errors --------------------------------------------------------------------------------------------
@@ -192,6 +217,8 @@ async def _serve(
             rid=rid,
             sampling_params=req.params,
             stream=req.stream,
+            return_logprob=req.logprobs is not None,
+            top_logprobs_num=req.logprobs or 0,
             lumen=LumenExt(seed_base=req.seed),  # epoch 0: not fenced by an incarnation reset
         )
         try:
@@ -205,8 +232,8 @@ async def _serve(
     env = envelope(rid, req.model, int(time.time()), req.include_usage)
     try:
         if req.stream:
-            return await _stream(request, handle, env)
-        return await _unary(handle, env)
+            return await _stream(request, handle, env, req)
+        return await _unary(handle, env, req)
     finally:
         # the client went away (handler cancelled or write failed) before the request finished
         if not handle.finished:
@@ -221,7 +248,9 @@ def _usage(handle: RequestHandle, completion_tokens: int) -> Json:
     return usage(handle.prompt_tokens, completion_tokens, handle.restored_tokens)
 
 
-async def _stream(request: web.Request, handle: RequestHandle, env: Envelope) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, handle: RequestHandle, env: Envelope, req: OpenAIRequest
+) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
     text = bytevocab.Utf8Stream()
     try:
@@ -235,11 +264,13 @@ async def _stream(request: web.Request, handle: RequestHandle, env: Envelope) ->
                     data += sse_event(err.body())
                     await resp.write(bytes(data))
                     return resp
+                lps = _logprobs(req, e.logprobs)
                 if e.finish is not None:
-                    data += _events(env.chunks(text.step(e.new_ids) + text.finish(), e.finish.type))
+                    tail = text.step(e.new_ids) + text.finish()
+                    data += _events(env.chunks(tail, e.finish.type, logprobs=lps))
                     last = e
                     break
-                data += _events(env.chunks(text.step(e.new_ids), None))
+                data += _events(env.chunks(text.step(e.new_ids), None, logprobs=lps))
                 e = handle.next_nowait()
             if last is not None:
                 if env.include_usage:
@@ -255,17 +286,22 @@ async def _stream(request: web.Request, handle: RequestHandle, env: Envelope) ->
     return resp
 
 
-async def _unary(handle: RequestHandle, env: Envelope) -> web.Response:
+async def _unary(handle: RequestHandle, env: Envelope, req: OpenAIRequest) -> web.Response:
     output: list[int] = []
+    logprobs: list[TokenLogprob] = []
     while True:
         e = await handle.next()
         if (err := _aborted(e)) is not None:
             return _error_response(err)
         output.extend(e.new_ids)
+        logprobs.extend(e.logprobs)
         if e.finish is not None:
             text = bytevocab.Utf8Stream()
             counts = _usage(handle, e.completion_tokens)
-            return json_response(env.response(text.step(output) + text.finish(), e.finish.type, counts))
+            body = env.response(
+                text.step(output) + text.finish(), e.finish.type, counts, logprobs=_logprobs(req, logprobs)
+            )
+            return json_response(body)
 
 
 def add_routes(app: web.Application) -> None:

@@ -15,7 +15,10 @@ Pure and synchronous: the engine shell calls `step()`, sleeps for the modelled t
   against the target's own tokens, so the output is token for token what plain decoding emits;
 - a request may arrive with a restored prefix (KV pages loaded from the checkpoint store): those
   tokens are in context from admission on and only the rest of the prompt is prefilled; the step
-  that admits it reports them so the engine can charge the host-to-device copy.
+  that admits it reports them so the engine can charge the host-to-device copy;
+- a request that asked for log probabilities (`Seq.top_logprobs` >= 0) gets one per emitted token,
+  from the distribution that token was chosen from (models/synthetic.py `token_logprob`; the torch
+  scheduler's from the step's logits), drafts accepted by a verification included.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from draft_models.synthetic_drafter import verify_synthetic
 from draft_models.verify import mode_for
 from gateway.core.costmodel import StepWork
-from gateway.protocol.generate import FinishReason, SamplingParams
+from gateway.protocol.generate import FinishReason, SamplingParams, TokenLogprob
 from models.paging import pages_for
 from models.synthetic import Sampler, SyntheticModel, finish_of, mix64
 from worker_hooks.engine.pages import PagePool
@@ -48,6 +51,8 @@ class Seq:
     prefilled: int = 0
     restored: int = 0  # prompt tokens whose KV came from the checkpoint store, not from prefill
     output: list[int] = field(default_factory=list)
+    # -1: no log probabilities; k >= 0: each emitted token's, with the k most likely at its position
+    top_logprobs: int = -1
 
     @property
     def context_len(self) -> int:
@@ -99,6 +104,7 @@ class Emission:
     new_ids: list[int]
     completion_tokens: int
     finish: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new id when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +180,16 @@ class BatchScheduler:
         """The running requests whose next step decodes (their prompt is in context)."""
         return [s for s in self.running if not s.prefilling]
 
-    def _emit(self, seq: Seq, tokens: Sequence[int], emissions: list[Emission], finished: list[Seq]) -> None:
-        """Append `tokens` one by one, stopping at the first that finishes the request."""
+    def _emit(
+        self,
+        seq: Seq,
+        tokens: Sequence[int],
+        emissions: list[Emission],
+        finished: list[Seq],
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> None:
+        """Append `tokens` one by one, stopping at the first that finishes the request; `logprobs`
+        (one per token, when the request asked for them) go with the tokens emitted."""
         new: list[int] = []
         finish = None
         for token in tokens:
@@ -190,7 +204,7 @@ class BatchScheduler:
             if finish is not None:
                 break
         self.pool.grow_to(seq.rid, pages_for(seq.context_len, self.pool.page_size))
-        emissions.append(Emission(seq.rid, new, len(seq.output), finish))
+        emissions.append(Emission(seq.rid, new, len(seq.output), finish, tuple(logprobs[: len(new)])))
         if finish is not None:
             finished.append(seq)
 
@@ -297,7 +311,19 @@ class Scheduler(BatchScheduler):
         return n
 
     def _emit_token(self, seq: Seq, emissions: list[Emission], finished: list[Seq]) -> None:
-        self._emit(seq, [self.model.next_token(seq.state, seq.context_len, seq.sampler)], emissions, finished)
+        token = self.model.next_token(seq.state, seq.context_len, seq.sampler)
+        self._emit(seq, [token], emissions, finished, self._logprobs(seq, [token]))
+
+    def _logprobs(self, seq: Seq, tokens: Sequence[int]) -> list[TokenLogprob]:
+        """The logprobs of `tokens` emitted in order after the request's current context."""
+        if seq.top_logprobs < 0:
+            return []
+        out = []
+        h = seq.state
+        for t in tokens:
+            out.append(self.model.token_logprob(h, t, seq.sampler, seq.top_logprobs))
+            h = mix64(h ^ t)
+        return out
 
     def _verify(
         self,
@@ -315,7 +341,7 @@ class Scheduler(BatchScheduler):
         mode = mode_for(seq.sampler)  # GREEDY or EXACT_SEEDED: outputs stay token-for-token exact
         verdict = verify_synthetic(self.model, seq.state, seq.context_len, seq.sampler, drafts, mode=mode)
         verified.append(Verification(seq.rid, len(drafts), verdict.accepted))
-        self._emit(seq, verdict.tokens, emissions, finished)
+        self._emit(seq, verdict.tokens, emissions, finished, self._logprobs(seq, verdict.tokens))
 
     def _absorb(self, seq: Seq, token: int) -> None:
         seq.state = mix64(seq.state ^ token)

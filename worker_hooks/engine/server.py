@@ -3,6 +3,9 @@
 Streams send one SSE chunk per engine step carrying only that step's new ids (SGLang's
 `--incremental-streaming-output`), the finish reason on the last chunk, then `data: [DONE]`; every
 chunk carries the prefix restored from the checkpoint store (`restored_tokens`, `cached_tokens`).
+With `return_logprob` a chunk carries its ids' `output_token_logprobs` (and `output_top_logprobs`
+with `top_logprobs_num` > 0) in SGLang's row shape `[logprob, id, null]`, incremental like the ids;
+a whole (non-streamed) response carries every id's.
 A request whose client goes away is aborted in the engine, so its KV pages are freed at once; its
 checkpoint stays with its holders (the gateway may resume it), while `/abort_request` drops it too.
 Discovery, load and metrics endpoints live in info.py, the OpenAI routes in openai_routes.py;
@@ -12,6 +15,7 @@ service.py puts them on one app.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 import msgspec
 import structlog
@@ -22,7 +26,9 @@ from gateway.protocol.generate import (
     SSE_DONE,
     AbortRequest,
     GenerateChunk,
+    LogprobRow,
     MetaInfo,
+    TokenLogprob,
     encode,
     encode_sse_chunk,
     request_decoder,
@@ -51,7 +57,20 @@ def error_response(exc: EngineError) -> web.Response:
     return web.Response(status=exc.status, body=encode(exc.body()), content_type="application/json")
 
 
-def _chunk(engine: Engine, handle: RequestHandle, e: Emission, output_ids: list[int]) -> GenerateChunk:
+def _chunk(
+    engine: Engine,
+    handle: RequestHandle,
+    e: Emission,
+    output_ids: list[int],
+    logprobs: Sequence[TokenLogprob] | None = None,
+) -> GenerateChunk:
+    lps = e.logprobs if logprobs is None else logprobs
+    rows: list[LogprobRow] = []
+    tops: list[list[LogprobRow] | None] = []
+    if handle.top_logprobs >= 0:
+        rows = [(t.logprob, t.token_id, None) for t in lps]
+        if handle.top_logprobs > 0:
+            tops = [[(v, i, None) for v, i in t.top] for t in lps]
     return GenerateChunk(
         output_ids=output_ids,
         meta_info=MetaInfo(
@@ -64,6 +83,8 @@ def _chunk(engine: Engine, handle: RequestHandle, e: Emission, output_ids: list[
             finish_reason=e.finish,
             worker_id=engine.worker_id,
             incarnation=handle.incarnation,
+            output_token_logprobs=rows,
+            output_top_logprobs=tops,
         ),
     )
 
@@ -116,12 +137,14 @@ async def _stream(request: web.Request, engine: Engine, handle: RequestHandle) -
 
 async def _unary(engine: Engine, handle: RequestHandle) -> web.Response:
     output: list[int] = []
+    logprobs: list[TokenLogprob] = []
     while True:
         e = await handle.next()
         output.extend(e.new_ids)
+        logprobs.extend(e.logprobs)
         if e.finish is not None:
             # GenerateChunk omits its defaults; SGLang's unary response always carries `text`
-            result = msgspec.to_builtins(_chunk(engine, handle, e, output))
+            result = msgspec.to_builtins(_chunk(engine, handle, e, output, logprobs))
             result["text"] = ""
             return json_response(result)
 

@@ -24,7 +24,7 @@ plain decoding's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -32,11 +32,11 @@ import torch
 
 from draft_models.verify import verify_match
 from gateway.core.costmodel import StepWork
-from gateway.protocol.generate import FinishReason, SamplingParams
+from gateway.protocol.generate import FinishReason, SamplingParams, TokenLogprob
 from models.paging import pages_for
 from models.synthetic import Sampler
 from models.torch_model import BatchItem
-from models.torch_sampling import sample_token
+from models.torch_sampling import sample_token, token_logprob
 from worker_hooks.engine.scheduler import (
     BatchScheduler,
     Drafts,
@@ -200,14 +200,16 @@ class TorchScheduler(BatchScheduler):
                     emissions.append(Emission(seq.rid, [], 0, FinishReason(type="length", length=0)))
                     finished.append(seq)
                     continue
-                self._emit(seq, [_sample(lg[-1], seq, seq.context_len)], emissions, finished)
+                token = _sample(lg[-1], seq, seq.context_len)
+                self._emit(seq, [token], emissions, finished, _logprobs(lg[-1:], seq, [token]))
             elif w.kind is Kind.DECODE:
-                self._emit(seq, [_sample(lg[-1], seq, seq.context_len)], emissions, finished)
+                token = _sample(lg[-1], seq, seq.context_len)
+                self._emit(seq, [token], emissions, finished, _logprobs(lg[-1:], seq, [token]))
             else:
                 # the target's own token at each draft position, computed only up to the first mismatch
                 verdict = verify_match(w.drafts, _targets(lg, seq, len(w.drafts) + 1))
                 verified.append(Verification(seq.rid, len(w.drafts), verdict.accepted))
-                self._emit(seq, verdict.tokens, emissions, finished)
+                self._emit(seq, verdict.tokens, emissions, finished, _logprobs(lg, seq, verdict.tokens))
         for done in finished:
             self.running.remove(done)
             self.pool.free(done.rid)
@@ -220,6 +222,13 @@ def _targets(logits: torch.Tensor, seq: Seq, n: int) -> Iterator[int]:
     ctx = seq.context_len
     for i in range(n):
         yield _sample(logits[i], seq, ctx + i)
+
+
+def _logprobs(rows: torch.Tensor, seq: Seq, tokens: Sequence[int]) -> list[TokenLogprob]:
+    """Token i's logprob from logits row i (the row it was sampled from), when the request asked."""
+    if seq.top_logprobs < 0:
+        return []
+    return [token_logprob(rows[i], seq.sampler, t, seq.top_logprobs) for i, t in enumerate(tokens)]
 
 
 def _sample(logits: torch.Tensor, seq: Seq, position: int) -> int:

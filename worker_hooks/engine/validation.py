@@ -25,6 +25,10 @@ def validate(req: GenerateRequest, vocab_size: int) -> None:
         raise errors.InvalidRequest(f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k != -1 and p.top_k < 1:
         raise errors.InvalidRequest(f"top_k must be -1 (disabled) or >= 1, got {p.top_k}")
+    if not 0 <= req.top_logprobs_num <= vocab_size:
+        raise errors.InvalidRequest(
+            f"top_logprobs_num must be in 0..{vocab_size}, got {req.top_logprobs_num}"
+        )
     for h in req.lumen.checkpoint if req.lumen else ():
         if not valid_endpoint(h.kv_endpoint):
             raise errors.InvalidRequest(f"holder {h.worker_id!r} has a bad kv_endpoint {h.kv_endpoint!r}")

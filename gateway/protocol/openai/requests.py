@@ -3,8 +3,12 @@
 Each `parse_*` takes the decoded JSON object and the server's `Bounds`, and returns a frozen request
 value or raises InvalidRequest (400) / ModelNotFound (404) naming the offending parameter. Unknown
 top-level fields are ignored (OpenAI clients send many); known fields that cannot be honoured
-(logprobs, echo, penalties, n > 1, tools, ...) are refused rather than silently dropped. The gateway
-builds its Bounds from its config, a worker from its EngineSpec.
+(echo, penalties, tools, n above the server's limit, ...) are refused rather than silently dropped.
+The gateway builds its Bounds from its config, a worker from its EngineSpec.
+
+Log probabilities, as OpenAI defines them: a completion's `logprobs` is an integer 0..5 (the chosen
+token's logprob and that many most likely tokens; `false` reads as absent), a chat's `logprobs: true`
+with `top_logprobs` 0..20. Both become `logprobs`: None (not asked for) or the number of top tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 from gateway.protocol.openai.chat import ChatMessage, parse_messages
 from gateway.protocol.openai.errors import InvalidRequest, ModelNotFound
-from gateway.protocol.openai.fields import UNSUPPORTED, Fields, check_token_ids
+from gateway.protocol.openai.fields import INVALID_VALUE, UNSUPPORTED, Fields, check_token_ids
 
 MAX_STOP_OPENAI = 4
 MAX_STOP_NATIVE = 16
@@ -22,6 +26,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_RID_LEN = 128
 SGLANG_MAX_TOP_K = 2**31 - 1  # SGLang's top_k is an int32
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's `logprobs`
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on a chat's `top_logprobs` (and Lumen's on /generate's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +42,7 @@ class Bounds:
     max_top_k: int | None = SGLANG_MAX_TOP_K  # None: any (a top_k >= the vocabulary cuts nothing)
     max_prompt_tokens: int | None = None  # checked by the server once the prompt is tokenized
     echo_model: bool = False  # True: any model name is served and answered (SGLang's way); False: 404
+    max_n: int = 1  # the most choices (`n`) one request may ask for
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +67,8 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""  # the model named in responses
+    n: int = 1  # choices
+    logprobs: int | None = None  # None: none returned; k: each token's logprob and its top k
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +78,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    n: int = 1
+    logprobs: int | None = None  # None unless `logprobs: true`; then `top_logprobs` (0 when absent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,37 +88,50 @@ class NativeRequest:
     sampling: SamplingRequest
     stream: bool = False
     rid: str | None = None
+    logprobs: int | None = None  # None unless `return_logprob`; then `top_logprobs_num`
+    return_text_in_logprobs: bool = False
 
 
 def parse_completion(body: dict[str, Any], b: Bounds) -> CompletionRequest:
     f = Fields(body)
     model = _model(f, b)
     for key, allowed, what in (
-        ("logprobs", (), "log probabilities are not returned"),
         ("echo", (False,), "the prompt cannot be echoed"),
-        ("best_of", (1,), "only best_of = 1"),
         ("suffix", ("",), "suffixes are not supported"),
     ):
         f.unsupported(key, allowed, what)
+    n = _n(f, b)
+    best_of = f.opt_int("best_of", lo=1)
+    if best_of is not None and best_of != n:
+        raise f.fail(
+            "best_of", f"is not supported (only best_of = n = {n}: choices are not ranked)", UNSUPPORTED
+        )
+    # `false` reads as absent: some clients send it although OpenAI's type is an integer
+    logprobs = None if f.raw("logprobs") is False else f.opt_int("logprobs", 0, MAX_COMPLETION_LOGPROBS)
     stream, usage = _stream(f)
     prompt = _prompt(f, b)
-    return CompletionRequest(prompt, _openai_sampling(f, b, ("max_tokens",)), stream, usage, model)
+    sampling = _openai_sampling(f, b, ("max_tokens",))
+    return CompletionRequest(prompt, sampling, stream, usage, model, n, logprobs)
 
 
 def parse_chat(body: dict[str, Any], b: Bounds) -> ChatRequest:
     f = Fields(body)
     model = _model(f, b)
     for key, allowed, what in (
-        ("logprobs", (False,), "log probabilities are not returned"),
-        ("top_logprobs", (0,), "log probabilities are not returned"),
         ("tools", ([],), "tool calling is not supported"),
         ("functions", ([],), "function calling is not supported"),
         ("response_format", ({"type": "text"},), "only response_format type 'text'"),
     ):
         f.unsupported(key, allowed, what)
+    n = _n(f, b)
+    want_logprobs = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not want_logprobs:
+        raise f.fail("top_logprobs", "needs 'logprobs': true")
     stream, usage = _stream(f)
     sampling = _openai_sampling(f, b, ("max_tokens", "max_completion_tokens"))
-    return ChatRequest(parse_messages(f), sampling, stream, usage, model)
+    logprobs = top if want_logprobs else None
+    return ChatRequest(parse_messages(f), sampling, stream, usage, model, n, logprobs)
 
 
 def parse_generate(body: dict[str, Any], b: Bounds) -> NativeRequest:
@@ -132,7 +156,16 @@ def parse_generate(body: dict[str, Any], b: Bounds) -> NativeRequest:
     rid = f.string("rid")
     if rid is not None and not (0 < len(rid) <= MAX_RID_LEN and rid.isprintable()):
         raise f.fail("rid", f"must be 1..{MAX_RID_LEN} printable characters")
-    return NativeRequest(prompt, sampling, f.boolean("stream", False), rid)
+    want_logprobs = f.boolean("return_logprob", False)
+    top = f.integer("top_logprobs_num", 0, 0, MAX_TOP_LOGPROBS)
+    if want_logprobs and f.integer("logprob_start_len", -1, lo=-1) != -1:
+        raise f.fail(
+            "logprob_start_len", "is not supported (prompt logprobs are not returned; only -1)", UNSUPPORTED
+        )
+    text_in = f.boolean("return_text_in_logprobs", False)
+    return NativeRequest(
+        prompt, sampling, f.boolean("stream", False), rid, top if want_logprobs else None, text_in
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,8 +195,6 @@ def _openai_sampling(f: Fields, b: Bounds, max_keys: tuple[str, ...]) -> Samplin
     for key in max_keys:  # the later key (max_completion_tokens) wins when both are given
         if f.given(key):
             max_tokens = f.integer(key, 0, b.min_new_tokens, b.max_new_tokens)
-    if f.integer("n", 1, lo=1) != 1:
-        raise f.fail("n", "must be 1: one choice per request is returned", UNSUPPORTED)
     for key in ("presence_penalty", "frequency_penalty"):
         if f.number(key, 0.0, -2.0, 2.0) != 0.0:
             raise f.fail(key, "is not supported (only 0)", UNSUPPORTED)
@@ -179,6 +210,16 @@ def _openai_sampling(f: Fields, b: Bounds, max_keys: tuple[str, ...]) -> Samplin
         ignore_eos=f.boolean("ignore_eos", False),
         seed=_seed(f, "seed"),
     )
+
+
+def _n(f: Fields, b: Bounds) -> int:
+    n = f.integer("n", 1, lo=1)
+    if n > b.max_n:
+        why = "one choice per request is returned" if b.max_n == 1 else f"this server's limit is {b.max_n}"
+        raise f.fail(
+            "n", f"must be in 1..{b.max_n}, got {n} ({why})", UNSUPPORTED if b.max_n == 1 else INVALID_VALUE
+        )
+    return n
 
 
 def _top_k(f: Fields, b: Bounds) -> int | None:

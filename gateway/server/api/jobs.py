@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from gateway.protocol.generate import TokenLogprob
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -36,6 +38,8 @@ class GenerateJob:
     stream: bool = True
     # free-form labels for logs and metrics (endpoint, api key id)
     labels: dict[str, str] = field(default_factory=dict)
+    # None: no log probabilities; k >= 0: every output token's, with the k most likely at its position
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,8 @@ class TokenDelta:
     matched_stop: int | None = None
     # cached/restored prompt tokens reported by the worker (for usage details)
     cached_tokens: int = 0
+    # with job.logprobs set: one per id, in order (the same on every worker a resumed stream uses)
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Generator(Protocol):

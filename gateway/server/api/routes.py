@@ -1,8 +1,13 @@
 """Client routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate.
 
 A handler reads and validates the request (gateway.protocol.openai.requests, against the Bounds of
-schemas.py), tokenizes it (applying the chat template), builds a `GenerateJob`, and renders what
-`Generator.generate` yields (formats.py, over gateway.protocol.openai.envelopes). It never sees workers.
+schemas.py), tokenizes it (applying the chat template), builds a `GenerateJob` per choice, and renders
+what `Generator.generate` yields (formats.py, over gateway.protocol.openai.envelopes). It never sees
+workers.
+
+`n` choices are n jobs, each its own session on the workers (its own rid, `<id>-<i>`; its own seed,
+the request's seed + i, or one drawn for it), read together (generation.Choices): a worker failure
+resumes only the choices it served, each exactly. A stream's chunks carry their choice's `index`.
 
 Streams are SSE. The first step is awaited before the response starts, so a failure before any
 output is an ordinary JSON error with its own status. A GatewayError after the stream has begun is
@@ -45,7 +50,7 @@ from gateway.server.api.chat_template import ChatTemplate
 from gateway.server.api.detokenize import Detokenizer
 from gateway.server.api.errors import GatewayError, ModelNotFound, RequestTooLarge
 from gateway.server.api.formats import Format, NativeFormat, OpenAIFormat
-from gateway.server.api.generation import Generation
+from gateway.server.api.generation import Choices, Generation
 from gateway.server.api.jobs import GenerateJob, Generator, Sampling
 from gateway.server.api.schemas import bounds_of, check_prompt_length
 from gateway.server.api.tokenizer import Tokenizer
@@ -78,7 +83,15 @@ class ClientApi:
         return prompt
 
     def job(
-        self, rid: str, prompt_ids: tuple[int, ...], s: SamplingRequest, stream: bool, labels: dict[str, str]
+        self,
+        rid: str,
+        prompt_ids: tuple[int, ...],
+        s: SamplingRequest,
+        stream: bool,
+        labels: dict[str, str],
+        *,
+        logprobs: int | None = None,
+        choice: int = 0,
     ) -> GenerateJob:
         base = () if s.ignore_eos else self.eos_ids  # the request's own stop ids hold even then
         sampling = Sampling(
@@ -88,12 +101,28 @@ class ClientApi:
             top_k=s.top_k,
             stop_token_ids=tuple(dict.fromkeys((*base, *s.stop_token_ids))),
             ignore_eos=s.ignore_eos,
-            seed=s.seed,
+            seed=None if s.seed is None else (s.seed + choice) % 2**64,
         )
-        return GenerateJob(rid, prompt_ids, sampling, stream, labels)
+        return GenerateJob(rid, prompt_ids, sampling, stream, labels, logprobs)
 
-    def generation(self, job: GenerateJob, stop: tuple[str, ...]) -> Generation:
-        return Generation(self.generator, job, Detokenizer(self.tokenizer, stop))
+    def choices(
+        self,
+        rid: str,
+        prompt_ids: tuple[int, ...],
+        s: SamplingRequest,
+        stream: bool,
+        labels: dict[str, str],
+        *,
+        n: int = 1,
+        logprobs: int | None = None,
+    ) -> Choices:
+        """The request's n generations: one job each (rid `<rid>-<i>` when n > 1, seed + i)."""
+        gens = []
+        for i in range(n):
+            job_rid = rid if n == 1 else f"{rid}-{i}"
+            job = self.job(job_rid, prompt_ids, s, stream, labels, logprobs=logprobs, choice=i)
+            gens.append(Generation(self.generator, job, Detokenizer(self.tokenizer, s.stop)))
+        return Choices(gens)
 
 
 CLIENT_API = web.AppKey("lumen_client_api", ClientApi)
@@ -161,9 +190,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     api = request.config_dict[CLIENT_API]
     req = parse_completion(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
     ids = await api.encode(req.prompt, add_special_tokens=True, param="prompt")
-    job = api.job(f"cmpl-{uuid.uuid4().hex}", ids, req.sampling, req.stream, _labels(request, "completions"))
-    fmt = OpenAIFormat(CompletionEnvelope(job.rid, req.model, int(time.time()), req.include_usage))
-    return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    labels = _labels(request, "completions")
+    choices = api.choices(rid, ids, req.sampling, req.stream, labels, n=req.n, logprobs=req.logprobs)
+    envelope = CompletionEnvelope(rid, req.model, int(time.time()), req.include_usage)
+    return await respond(request, choices, OpenAIFormat(envelope, api.tokenizer.token_text), req.stream)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -172,9 +203,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     text = api.template.render(req.messages)
     # the template places BOS and other specials itself
     ids = await api.encode(text, add_special_tokens=False, param="messages")
-    job = api.job(f"chatcmpl-{uuid.uuid4().hex}", ids, req.sampling, req.stream, _labels(request, "chat"))
-    fmt = OpenAIFormat(ChatEnvelope(job.rid, req.model, int(time.time()), req.include_usage))
-    return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    labels = _labels(request, "chat")
+    choices = api.choices(rid, ids, req.sampling, req.stream, labels, n=req.n, logprobs=req.logprobs)
+    envelope = ChatEnvelope(rid, req.model, int(time.time()), req.include_usage)
+    return await respond(request, choices, OpenAIFormat(envelope, api.tokenizer.token_text), req.stream)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -184,9 +217,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ids = await api.encode(req.prompt, add_special_tokens=True, param=param)
     labels = _labels(request, "generate")
     # a client's rid names the response only: jobs get unique gateway ids, so clients cannot collide
-    job = api.job(f"gen-{uuid.uuid4().hex}", ids, req.sampling, req.stream, labels)
-    fmt = NativeFormat(req.rid or job.rid)
-    return await respond(request, api.generation(job, req.sampling.stop), fmt, req.stream)
+    rid = f"gen-{uuid.uuid4().hex}"
+    choices = api.choices(rid, ids, req.sampling, req.stream, labels, logprobs=req.logprobs)
+    fmt = NativeFormat(req.rid or rid, api.tokenizer.token_text if req.return_text_in_logprobs else None)
+    return await respond(request, choices, fmt, req.stream)
 
 
 def _model_card(api: ClientApi) -> dict[str, object]:
@@ -209,32 +243,34 @@ def _json(obj: object) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
 
 
-async def respond(request: web.Request, gen: Generation, fmt: Format, stream: bool) -> web.StreamResponse:
-    async with gen:  # closes the generator on every way out, cancellation included
+async def respond(request: web.Request, choices: Choices, fmt: Format, stream: bool) -> web.StreamResponse:
+    gens = choices.gens
+    async with choices:  # closes every generator on every way out, cancellation included
         if not stream:
-            parts = []
-            while (step := await gen.next()) is not None:
-                parts.append(step.text)
-            return _json(fmt.response("".join(parts), gen))
-        first = await gen.next()  # raises before any output: the middleware answers with a status
+            parts: list[list[str]] = [[] for _ in gens]
+            while (got := await choices.next()) is not None:
+                parts[got[0]].append(got[1].text)
+            return _json(fmt.response(["".join(p) for p in parts], gens))
+        first = await choices.next()  # raises before any output: the middleware answers with a status
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         try:
-            step = first
-            while step is not None:
-                for chunk in fmt.chunks(step, gen):
+            got = first
+            while got is not None:
+                index, step = got
+                for chunk in fmt.chunks(index, step, gens[index]):
                     await resp.write(sse_event(chunk))
-                step = await gen.next()
-            for chunk in fmt.closing(gen):
+                got = await choices.next()
+            for chunk in fmt.closing(gens):
                 await resp.write(sse_event(chunk))
             await resp.write(SSE_DONE)
         except ConnectionResetError:
-            log.debug("client left mid-stream", rid=gen.job.rid)
+            log.debug("client left mid-stream", rid=choices.job.rid)
         except GatewayError as exc:
             await _write_error(resp, exc.body())
         except Exception:
             # the status is already sent, so the error middleware cannot answer: end the stream cleanly
-            log.exception("stream failed", rid=gen.job.rid)
+            log.exception("stream failed", rid=choices.job.rid)
             await _write_error(resp, error_body("internal server error", "internal_error"))
         return resp
 

@@ -2,7 +2,7 @@
 
 The request bodies themselves are parsed by gateway.protocol.openai.requests (shared with the workers'
 OpenAI routes) against these Bounds: only the served model is accepted (404 otherwise), max_tokens is
-in 1..limits.max_new_tokens. Prompts are checked against limits.max_prompt_tokens once tokenized.
+in 1..limits.max_new_tokens, n in 1..limits.max_n. Prompts are checked against limits.max_prompt_tokens once tokenized.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def bounds_of(config: Config, vocab_size: int) -> Bounds:
         default_max_tokens=lim.default_max_tokens,
         max_new_tokens=lim.max_new_tokens,
         max_prompt_tokens=lim.max_prompt_tokens,
+        max_n=lim.max_n,
     )
 
 

@@ -5,6 +5,11 @@ Two kinds: `ByteTokenizer` for synthetic models (a byte is a token) and `HFToken
 Hugging Face `tokenizer.json`. Streaming goes through an `IncrementalDecoder`, which never returns
 half of a multi-byte character: incomplete bytes are held until they complete, and only `finish()`
 turns a dangling remainder into U+FFFD.
+
+`token_text(id)` is one token alone, for log probabilities: the text decoding it shows (special
+tokens included, as SGLang's per-token `batch_decode` shows them) and its bytes (for a byte-level BPE
+vocabulary the token's own bytes through the GPT-2 byte table, as SGLang's `token_id_to_bytes`; a
+`<0xAB>` byte-fallback piece is that byte; otherwise the UTF-8 of its text).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from tokenizers.decoders import DecodeStream
 
 from gateway.config import ConfigError, TokenizerSection
 from gateway.protocol import bytevocab
+from gateway.protocol.openai.envelopes import TokenText
 
 
 class IncrementalDecoder(Protocol):
@@ -60,6 +66,10 @@ class Tokenizer(Protocol):
 
     def incremental_decoder(self) -> IncrementalDecoder: ...
 
+    def token_text(self, token_id: int) -> TokenText:
+        """One token alone: its text (U+FFFD for part of a character, specials shown) and bytes."""
+        ...
+
 
 # --------------------------------------------------------------------------------------------------
 # byte tokenizer (synthetic models)
@@ -86,6 +96,10 @@ class ByteTokenizer:
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return bytevocab.Utf8Stream()
+
+    def token_text(self, token_id: int) -> TokenText:
+        raw = bytevocab.token_bytes(token_id)
+        return TokenText(raw.decode("utf-8", errors="replace"), raw)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,6 +156,8 @@ class HFTokenizer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._byte_level = b'"ByteLevel"' in _decoder_state(tok)
+        self._texts: dict[int, TokenText] = {}
 
     @classmethod
     def from_file(cls, path: str | Path) -> HFTokenizer:
@@ -186,6 +202,65 @@ class HFTokenizer:
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return _HFStreamDecoder(self._tok)
+
+    def token_text(self, token_id: int) -> TokenText:
+        found = self._texts.get(token_id)
+        if found is not None:
+            return found
+        text: str = self._tok.decode([token_id], skip_special_tokens=False)
+        piece = self._tok.id_to_token(token_id)
+        raw: bytes | None = None
+        if piece is not None and self._byte_level:
+            raw = _byte_level_bytes(piece)
+        elif piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                raw = bytes([int(piece[3:5], 16)])  # a byte-fallback piece
+            except ValueError:
+                raw = None
+        found = TokenText(text, raw if raw else text.encode("utf-8"))
+        if len(self._texts) < _TOKEN_TEXT_CACHE:
+            self._texts[token_id] = found
+        return found
+
+
+_TOKEN_TEXT_CACHE = 1 << 18
+
+
+def _decoder_state(tok: tokenizers.Tokenizer) -> bytes:
+    decoder = tok.decoder
+    if decoder is None:
+        return b""
+    try:
+        state: bytes = decoder.__getstate__()
+    except Exception:  # the library raises bare Exceptions
+        return b""
+    return state
+
+
+def _gpt2_byte_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character standing for each byte (`bytes_to_unicode`)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _gpt2_byte_table()
+
+
+def _byte_level_bytes(piece: str) -> bytes | None:
+    """A byte-level BPE piece's bytes; None when it holds other characters (an added token)."""
+    out = bytearray()
+    for ch in piece:
+        b = _BYTE_LEVEL.get(ch)
+        if b is None:
+            return None
+        out.append(b)
+    return bytes(out)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

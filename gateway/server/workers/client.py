@@ -19,7 +19,7 @@ from gateway.protocol.generate import (
     StreamError,
     decode_chunk,
     encode,
-    new_output_ids,
+    incremental,
 )
 
 
@@ -127,11 +127,8 @@ class WorkerStream:
                     if payload == b"[DONE]":
                         return None
                     self._chunks += 1
-                    chunk = decode_chunk(payload)
-                    ids = new_output_ids(chunk, self._received)
-                    if ids is not chunk.output_ids:
-                        chunk = GenerateChunk(ids, chunk.meta_info, chunk.text)
-                    self._received += len(ids)
+                    chunk = incremental(decode_chunk(payload), self._received)  # ids and logprob rows
+                    self._received += len(chunk.output_ids)
                     return chunk
         except TimeoutError as exc:
             raise self._lost_after_timeout(f"no chunk for {timeout:.3g} s") from exc

@@ -1,0 +1,279 @@
+"""`lumen cluster up --engine sglang`: one SGLang server per GPU group, each with its sidecar agent.
+
+Each worker is one agent process, `python -m worker_hooks.sglang --launch -- <launch_server args>`,
+which starts its SGLang server on a port chosen here, attaches it to the gateway's control plane, and
+restarts it when it dies (docs/design.md; worker_hooks/sglang). The supervisor here only starts the
+agents (a GPU group each, through CUDA_VISIBLE_DEVICES), restarts an agent that dies, stops them all,
+and injects faults into the servers for `/admin/workers/{id}/kill`: the agents print each server's
+pid (`server_started` events on their stdout), which is what `kill`, `hang`, `resume` and `term`
+signal. The gateway process never imports sglang or worker_hooks: both run in child processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from gateway.server.api.errors import InvalidRequest, NotFound
+
+log = structlog.get_logger("lumen.cluster")
+
+# the faults that make sense for an SGLang server (stall/unstall are Lumen-engine signals: SIGUSR1
+# would simply kill an SGLang server)
+SERVER_SIGNALS = {
+    "kill": signal.SIGKILL,
+    "hang": signal.SIGSTOP,
+    "resume": signal.SIGCONT,
+    "term": signal.SIGTERM,
+}
+AGENT_MODULE = "worker_hooks.sglang"
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangLaunch:
+    """What `lumen cluster up --engine sglang` was asked to run."""
+
+    model: str
+    tp: int = 1
+    workers: int | None = None  # None: as many as the GPUs allow (or cluster.workers without GPUs)
+    extra: tuple[str, ...] = ()  # more `launch_server` arguments (after `--`)
+    gpus: tuple[str, ...] | None = None  # GPU ids to group by `tp`; None: none known (a stand-in launcher)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    worker_id: str
+    url: str
+    argv: tuple[str, ...]
+    gpus: tuple[str, ...] | None  # CUDA_VISIBLE_DEVICES for its server; None: left as it is
+
+
+def visible_gpus(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES, else what nvidia-smi lists; None if
+    neither says (no NVIDIA driver here)."""
+    given = env.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return tuple(g.strip() for g in given.split(",") if g.strip())
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return tuple(line.strip() for line in out.stdout.splitlines() if line.strip())
+
+
+def gpu_groups(gpus: Sequence[str], tp: int, workers: int | None) -> list[tuple[str, ...]]:
+    """Consecutive groups of `tp` GPUs, one per server; raises ValueError when they do not fit."""
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, not {tp}")
+    fit = len(gpus) // tp
+    n = fit if workers is None else workers
+    if n < 1 or n > fit:
+        raise ValueError(
+            f"{n if workers is not None else 'no'} server(s) of --tp {tp} need {max(n, 1) * tp} GPUs; "
+            f"{len(gpus)} visible ({','.join(gpus) or 'none'})"
+        )
+    return [tuple(gpus[i * tp : (i + 1) * tp]) for i in range(n)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def agent_specs(
+    launch: SGLangLaunch,
+    control_address: str,
+    *,
+    default_workers: int,
+    failure_domains: int = 1,
+    restart: bool = True,
+    host: str = "127.0.0.1",
+    log_level: str = "info",
+) -> list[AgentSpec]:
+    """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: a stand-in
+    launcher) `launch.workers` or `default_workers` agents, devices left alone."""
+    if launch.gpus is None:
+        groups: list[tuple[str, ...] | None] = [None] * (launch.workers or default_workers)
+    else:
+        groups = list(gpu_groups(launch.gpus, launch.tp, launch.workers))
+    out = []
+    for i, group in enumerate(groups):
+        wid = f"w{i}"
+        url = f"http://{host}:{free_port(host)}"
+        argv = [
+            *("--url", url, "--gateway", control_address, "--id", wid, "--model", launch.model),
+            *("--failure-domain", f"d{i % max(1, failure_domains)}", "--log-level", log_level, "--launch"),
+            *(() if restart else ("--no-restart",)),
+            "--",
+            *("--model-path", launch.model, "--tp-size", str(launch.tp)),
+            *launch.extra,
+        ]
+        out.append(AgentSpec(wid, url, tuple(argv), group))
+    return out
+
+
+@dataclass(slots=True)
+class AgentProcess:
+    spec: AgentSpec
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    server_pid: int | None = None  # the SGLang server's, from the agent's `server_started` events
+    starts: int = 0
+    supervisor: asyncio.Task[None] | None = None
+    reader: asyncio.Task[None] | None = None
+    events: list[dict[str, object]] = field(default_factory=list)
+
+
+class SGLangCluster:
+    """Starts, supervises and stops the agents (which run the servers). Implements app.FaultInjector."""
+
+    def __init__(
+        self,
+        specs: list[AgentSpec],
+        *,
+        log_dir: Path,
+        control_token: str = "",
+        restart_agents: bool = True,
+    ) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.control_token = control_token
+        self.restart_agents = restart_agents
+        self.agents = {s.worker_id: AgentProcess(s, log_dir / f"{s.worker_id}.log") for s in specs}
+        self._stopping = False
+
+    async def start(self) -> None:
+        for ap in self.agents.values():
+            await self._spawn(ap)
+            ap.supervisor = asyncio.create_task(self._supervise(ap), name=f"supervise-{ap.spec.worker_id}")
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every agent (each stops its server), SIGKILL what is left after `grace_s`."""
+        self._stopping = True
+        tasks = [t for ap in self.agents.values() for t in (ap.supervisor,) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        procs = [ap.proc for ap in self.agents.values() if ap.proc is not None and ap.proc.returncode is None]
+        for ap in self.agents.values():  # a hung (SIGSTOPped) server cannot act on its agent's SIGTERM
+            if ap.server_pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(ap.server_pid, signal.SIGCONT)
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        try:
+            async with asyncio.timeout(grace_s):
+                for p in procs:
+                    await p.wait()
+        except TimeoutError:
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+                    await p.wait()
+        readers = [ap.reader for ap in self.agents.values() if ap.reader is not None]
+        await asyncio.gather(*readers, return_exceptions=True)
+
+    async def kill(self, worker_id: str, mode: str) -> dict[str, object]:
+        """Signal a worker's SGLang server (not its agent, which notices and restarts the server)."""
+        ap = self.agents.get(worker_id)
+        if ap is None:
+            raise NotFound(f"no local worker {worker_id!r}; known: {', '.join(sorted(self.agents))}")
+        sig = SERVER_SIGNALS.get(mode)
+        if sig is None:
+            raise InvalidRequest(
+                f"mode {mode!r} does not apply to an SGLang server; use one of {', '.join(SERVER_SIGNALS)}",
+                param="mode",
+            )
+        pid = ap.server_pid
+        if pid is None:
+            raise NotFound(f"worker {worker_id!r} runs no server right now")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        log.warning("fault_injected", worker=worker_id, pid=pid, mode=mode, target="sglang server")
+        return {"worker": worker_id, "pid": pid, "mode": mode, "t": time.time()}
+
+    # -- internals -------------------------------------------------------------------------------
+    async def _spawn(self, ap: AgentProcess) -> None:
+        env = dict(
+            os.environ,
+            LUMEN_PARENT_PID=str(os.getpid()),
+            LUMEN_CONTROL_TOKEN=self.control_token,
+            PYTHONUNBUFFERED="1",
+        )
+        if ap.spec.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ap.spec.gpus)
+        argv = [sys.executable, "-m", AGENT_MODULE, *ap.spec.argv]
+        with ap.log_path.open("ab") as logf:
+            ap.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=logf,
+                env=env,
+            )
+        ap.starts += 1
+        ap.server_pid = None
+        ap.reader = asyncio.create_task(self._read_events(ap, ap.proc), name=f"events-{ap.spec.worker_id}")
+        log.info(
+            "sglang_agent_started",
+            worker=ap.spec.worker_id,
+            pid=ap.proc.pid,
+            url=ap.spec.url,
+            gpus=None if ap.spec.gpus is None else ",".join(ap.spec.gpus),
+            log=str(ap.log_path),
+        )
+
+    async def _read_events(self, ap: AgentProcess, proc: asyncio.subprocess.Process) -> None:
+        """The agent's stdout: one JSON event a line, kept in its log and read for the server's pid."""
+        assert proc.stdout is not None
+        with ap.log_path.open("ab") as logf:
+            while line := await proc.stdout.readline():
+                logf.write(line)
+                logf.flush()
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(ev, dict):
+                    continue
+                ap.events.append(ev)
+                if ev.get("event") == "server_started" and isinstance(ev.get("pid"), int):
+                    ap.server_pid = ev["pid"]
+                elif ev.get("event") == "server_exited" and ev.get("pid") == ap.server_pid:
+                    ap.server_pid = None
+
+    async def _supervise(self, ap: AgentProcess) -> None:
+        while ap.proc is not None:
+            rc = await ap.proc.wait()
+            if self._stopping:
+                return
+            log.warning("sglang_agent_exited", worker=ap.spec.worker_id, returncode=rc)
+            if not self.restart_agents:
+                return
+            await asyncio.sleep(0.5)  # do not spin if it dies at once
+            await self._spawn(ap)

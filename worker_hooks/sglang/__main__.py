@@ -1,0 +1,188 @@
+"""Run the sidecar agent beside one SGLang server (`lumen sglang-agent` execs this).
+
+    python -m worker_hooks.sglang --url http://127.0.0.1:30000 --gateway 127.0.0.1:50151 [--gateway ...]
+        [--id ID] [--launch -- <sglang launch_server args>]
+
+Without `--launch` the server is someone else's: the agent only watches it. With `--launch` the agent
+starts `python -m sglang.launch_server ARGS` (plus the flags Lumen needs; see launcher.py), restarts it
+when it dies (unless `--no-restart`: then the agent exits 1 once it died), and stops it on exit.
+`LUMEN_SGLANG_LAUNCHER` replaces the launcher command (a testing hook: launcher.py).
+
+The control-plane secret comes from LUMEN_CONTROL_TOKEN. The agent prints one JSON line per event to
+stdout (`started`, `server_started` with the server's pid, `server_ready`, `server_exited`,
+`server_lost`, `incarnation`, `abort_all`; `at` is time.monotonic(), comparable across the processes of
+a Linux host); logs go to stderr, and so does the server's own output. SIGTERM/SIGINT stop it
+cleanly; started by a supervisor that sets LUMEN_PARENT_PID, it also stops once that parent is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
+import uvloop
+
+from worker_hooks.sglang.agent import Sidecar, SidecarConfig
+from worker_hooks.sglang.launcher import LaunchError, host_port, server_command
+
+PARENT_POLL_S = 0.5
+
+
+def configure_logging(level: str) -> None:
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lumen sglang-agent",
+        description="The sidecar agent: one unmodified SGLang server on Lumen's control plane.",
+        epilog="Arguments after `--` go to `python -m sglang.launch_server` (with --launch).",
+    )
+    p.add_argument("--url", required=True, help="the SGLang server's http://HOST:PORT")
+    p.add_argument(
+        "--gateway",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="a gateway's control plane (repeatable: one control session per gateway)",
+    )
+    p.add_argument("--id", help="worker id (default: sglang-<port>)")
+    p.add_argument("--model", help="model name for Hello (default: --model-path of the launch arguments)")
+    p.add_argument("--failure-domain", default="")
+    p.add_argument("--launch", action="store_true", help="start and supervise the server (args after --)")
+    p.add_argument("--no-restart", action="store_true", help="--launch: exit once the server died")
+    p.add_argument("--poll-ms", type=int, default=100, help="how often /ready and /v1/loads are polled")
+    p.add_argument(
+        "--poll-misses", type=int, default=5, help="no 200 from /ready for poll-ms x this: the server is lost"
+    )
+    p.add_argument(
+        "--heartbeat-ms", type=int, default=50, help="heartbeat interval if the gateway names none"
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The agent's arguments, and the server's (those after the first `--`)."""
+    if "--" in argv:
+        i = argv.index("--")
+        argv, tail = argv[:i], argv[i + 1 :]
+    else:
+        tail = []
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if tail and not args.launch:
+        parser.error("arguments after -- are for the server: add --launch")
+    if args.no_restart and not args.launch:
+        parser.error("--no-restart needs --launch")
+    if args.log_level.upper() not in logging.getLevelNamesMapping():
+        parser.error(f"unknown --log-level {args.log_level!r}")
+    try:
+        host_port(args.url)
+    except LaunchError as exc:
+        parser.error(str(exc))
+    return args, tail
+
+
+def _launch_model(tail: list[str]) -> str:
+    for i, a in enumerate(tail):
+        if a in ("--model-path", "--model") and i + 1 < len(tail):
+            return tail[i + 1]
+        if a.startswith(("--model-path=", "--model=")):
+            return a.split("=", 1)[1]
+    return ""
+
+
+def _print_event(ev: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(ev) + "\n")
+    sys.stdout.flush()
+
+
+async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    """Set `stop` once we are re-parented (the parent died); there is no event for that, so poll."""
+    while os.getppid() == parent_pid:
+        try:
+            await asyncio.wait_for(stop.wait(), PARENT_POLL_S)
+            return
+        except TimeoutError:
+            pass
+    structlog.get_logger(__name__).warning("parent process gone", parent_pid=parent_pid)
+    stop.set()
+
+
+async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.environ.get("LUMEN_PARENT_PID", "")
+    watchdog = asyncio.create_task(watch_parent(int(parent), stop)) if parent.isdigit() else None
+    sidecar = Sidecar(cfg, launch=launch, restart=restart, on_event=_print_event)
+    try:
+        try:
+            await sidecar.start()
+        except OSError as exc:  # the launcher command cannot start
+            structlog.get_logger(__name__).error("cannot launch the server", error=str(exc))
+            return 2
+        stopped = asyncio.create_task(stop.wait())
+        exited = asyncio.create_task(sidecar.exited.wait())
+        done, pending = await asyncio.wait({stopped, exited}, return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        return 1 if exited in done else 0  # 1: --no-restart, and the server died
+    finally:
+        await sidecar.stop()
+        if watchdog is not None:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, tail = parse(list(sys.argv[1:] if argv is None else argv))
+    configure_logging(args.log_level)
+    port = urlsplit(args.url).port
+    launch: list[str] | None = None
+    if args.launch:
+        try:
+            launch = server_command(args.url, tail)
+        except LaunchError as exc:
+            print(f"lumen sglang-agent: {exc}", file=sys.stderr)
+            return 2
+    try:
+        cfg = SidecarConfig(
+            worker_id=args.id or f"sglang-{port}",
+            url=args.url.rstrip("/"),
+            gateways=tuple(args.gateway),
+            token=os.environ.get("LUMEN_CONTROL_TOKEN", ""),
+            model=args.model if args.model is not None else _launch_model(tail),
+            failure_domain=args.failure_domain,
+            poll_interval_s=args.poll_ms / 1000.0,
+            poll_misses=args.poll_misses,
+            heartbeat_interval_ms=args.heartbeat_ms,
+        )
+    except ValueError as exc:
+        print(f"lumen sglang-agent: {exc}", file=sys.stderr)
+        return 2
+    return uvloop.run(serve(cfg, launch, restart=not args.no_restart))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Start one SGLang server as a child process, watch it, and start it again when it dies.
+
+The command is `python -m sglang.launch_server ARGS` plus the flags Lumen needs when ARGS lack them:
+
+- `--host` / `--port` from the agent's `--url` (the URL the gateway is told; a different one is refused);
+- `--sampling-backend pytorch`: seeded sampling (`sampling_seed`) needs it (flashinfer's sampler refuses a
+  seed), and a replay after a failure continues a seeded stream only with it;
+- `--enable-deterministic-inference`: batch-invariant logits, so a replay on another server in another
+  batch continues greedy and seeded streams token for token.
+
+Nothing of sglang is imported here or anywhere in Lumen: the server runs in its own interpreter.
+`sglang_installed()` only asks the import system whether the package is there.
+
+Testing hook: the environment variable `LUMEN_SGLANG_LAUNCHER` replaces `python -m sglang.launch_server`
+with another command line (split like a shell would), e.g.
+`LUMEN_SGLANG_LAUNCHER="python -m tests.fixtures.sglang_standin"`; the same flags are added. It is how
+the tests run the agent and `lumen cluster up --engine sglang` without GPUs or sglang.
+
+The child-exit watcher is the asyncio process's `wait()`: it returns the moment the server exits, so the
+agent ends its control streams at once instead of waiting for a failed poll. The server runs in its own
+process group (SGLang's scheduler and detokenizer processes with it), which is killed whole after the
+server exits and when the agent stops; on Linux the server also dies with the agent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import importlib.util
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+LAUNCHER_ENV = "LUMEN_SGLANG_LAUNCHER"
+SGLANG_MODULE = "sglang.launch_server"
+
+# flags Lumen needs, added when the launch arguments lack them (value None: a switch)
+REQUIRED_FLAGS: tuple[tuple[str, str | None], ...] = (
+    ("--sampling-backend", "pytorch"),
+    ("--enable-deterministic-inference", None),
+)
+
+
+class LaunchError(Exception):
+    """The server cannot be launched as asked (its arguments contradict the agent's, sglang missing)."""
+
+
+def sglang_installed() -> bool:
+    """Whether `import sglang` would find the package (nothing is imported)."""
+    return importlib.util.find_spec("sglang") is not None
+
+
+def launcher_prefix(env: dict[str, str] | None = None) -> list[str]:
+    """The command that starts a server: LUMEN_SGLANG_LAUNCHER's, else `python -m sglang.launch_server`."""
+    override = (os.environ if env is None else env).get(LAUNCHER_ENV, "").strip()
+    if override:
+        return shlex.split(override)
+    if not sglang_installed():
+        raise LaunchError(
+            "sglang is not installed: pip install 'lumen[sglang]' (sglang 0.5.23, needs CUDA GPUs; "
+            f"docs/sglang.md), or set {LAUNCHER_ENV} to another launcher"
+        )
+    return [sys.executable, "-m", SGLANG_MODULE]
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in args (`--flag V` or `--flag=V`), "" for a bare switch, None if absent."""
+    for i, a in enumerate(args):
+        if a == flag:
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            return "" if nxt.startswith("--") else nxt
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1 :]
+    return None
+
+
+def host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+        raise LaunchError(f"--url must be http://HOST:PORT with an explicit port, not {url!r}")
+    if parts.port == 0:
+        raise LaunchError(f"--url needs a fixed port to launch a server on, not {url!r}")
+    return parts.hostname, parts.port
+
+
+def server_args(url: str, args: Sequence[str]) -> list[str]:
+    """`args` plus the flags Lumen needs; raises LaunchError where args contradict them."""
+    host, port = host_port(url)
+    out = list(args)
+    given_host, given_port = _flag_value(args, "--host"), _flag_value(args, "--port")
+    if given_host is not None and given_host != host:
+        raise LaunchError(f"--host {given_host} in the launch arguments, but --url says {host}")
+    if given_port is not None and given_port != str(port):
+        raise LaunchError(f"--port {given_port} in the launch arguments, but --url says {port}")
+    if given_host is None:
+        out += ["--host", host]
+    if given_port is None:
+        out += ["--port", str(port)]
+    for flag, value in REQUIRED_FLAGS:
+        given = _flag_value(args, flag)
+        if given is None:
+            out += [flag] if value is None else [flag, value]
+        elif value is not None and given != value:
+            raise LaunchError(
+                f"{flag} {given}: Lumen needs {flag} {value} (seeded sampling and exact replays)"
+            )
+    return out
+
+
+def server_command(url: str, args: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
+    return [*launcher_prefix(env), *server_args(url, args)]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerExit:
+    pid: int
+    returncode: int
+    at: float  # time.monotonic() when the agent saw the exit (one clock for every process of a Linux host)
+    uptime_s: float
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec hook that makes the child get SIGKILL when the agent dies (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+    return hook
+
+
+class ServerProcess:
+    """One server: started by `run()`, restarted after each exit (unless `restart` is False), ended by
+    `stop()`. `on_exit` is called first thing after the exit is seen, before any cleanup."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        on_start: Callable[[int], None],
+        on_exit: Callable[[ServerExit], None],
+        env: dict[str, str] | None = None,
+        output: int | None = None,
+        restart: bool = True,
+        backoff_start_s: float = 0.5,
+        backoff_cap_s: float = 30.0,
+        stable_after_s: float = 60.0,
+    ) -> None:
+        self.command = list(command)
+        self.on_start = on_start
+        self.on_exit = on_exit
+        self.env = env
+        self.output = output  # where the server's stdout and stderr go; None: the agent's stderr
+        self.restart = restart
+        self.backoff_start_s = backoff_start_s
+        self.backoff_cap_s = backoff_cap_s
+        self.stable_after_s = stable_after_s
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+        self._started_at = 0.0
+        self._unwatched: asyncio.subprocess.Process | None = None  # started by spawn(), for run()
+        self.exits: list[ServerExit] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
+    async def spawn(self) -> None:
+        """Start the server now (run() then watches it); raises OSError if the command cannot start."""
+        if self._unwatched is not None:
+            raise RuntimeError(f"server {self._unwatched.pid} was started and is not watched yet")
+        self._unwatched = await self._spawn()
+
+    async def run(self) -> None:
+        """Start (unless spawn() did), watch, restart; returns only when the server exited and `restart`
+        is off."""
+        backoff = self.backoff_start_s
+        proc, self._unwatched = self._unwatched or await self._spawn(), None
+        while True:
+            started = self._started_at
+            rc = await proc.wait()  # the child-exit watcher
+            now = time.monotonic()
+            seen = ServerExit(proc.pid, rc, now, now - started)
+            self.exits.append(seen)
+            self.on_exit(seen)  # first: the gateway must learn it before anything else happens
+            _kill_group(proc.pid, signal.SIGKILL)  # what the server started dies with it
+            log.warning("server exited", pid=proc.pid, returncode=rc, uptime_s=round(seen.uptime_s, 3))
+            if not self.restart:
+                return
+            backoff = self.backoff_start_s if seen.uptime_s >= self.stable_after_s else backoff
+            await asyncio.sleep(backoff)
+            backoff = min(self.backoff_cap_s, backoff * 2)
+            proc = await self._spawn()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Terminate the server's process group; SIGKILL what is left after `grace_s`."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        _kill_group(proc.pid, signal.SIGCONT)  # a stopped (hung) server cannot act on SIGTERM
+        _kill_group(proc.pid, signal.SIGTERM)
+        try:
+            async with asyncio.timeout(grace_s):
+                await proc.wait()
+        except TimeoutError:
+            log.warning("server ignored SIGTERM; killing it", pid=proc.pid, grace_s=grace_s)
+        _kill_group(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        """Start one server process (the only place one is started)."""
+        out = self.output if self.output is not None else sys.stderr.fileno()
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            env=self.env,
+            start_new_session=True,  # its own process group: the whole server is killed together
+            preexec_fn=_die_with_parent(),
+        )
+        self.starts += 1
+        self._started_at = time.monotonic()
+        log.info("server started", pid=self.proc.pid, command=shlex.join(self.command), starts=self.starts)
+        self.on_start(self.proc.pid)
+        return self.proc
+
+
+def _kill_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
