@@ -102,11 +102,14 @@ class ControlClient:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            # again until it ends: a library call may swallow one cancellation
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+            if not task.cancelled() and task.exception() is not None:
+                log.error(
+                    "agent ended with an error", worker_id=self.role.worker_id, error=repr(task.exception())
+                )
         self.attached.clear()
 
     def end_session(self, reason: str) -> bool:
@@ -156,7 +159,10 @@ class ControlClient:
             try:
                 await call.write(pb.WorkerMessage(hello=self._hello(incarnation)))
                 self.sessions += 1
-                first = await asyncio.wait_for(self._read(call, incarnation), self.welcome_timeout_s)
+                # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancellation (stop()) that
+                # arrives as the Welcome does, and the agent would then never stop
+                async with asyncio.timeout(self.welcome_timeout_s):
+                    first = await self._read(call, incarnation)
                 if first is None:
                     raise SessionEnded("stream closed before Welcome")
                 self._answered = True

@@ -53,8 +53,14 @@ async def run_cluster(
                 failure_domains=config.cluster.failure_domains,
                 restart=config.cluster.restart_killed,
                 log_level=config.gateway.log_level,
+                stop_grace_s=config.timeouts.shutdown_grace_s,
             )
-            cluster = SGLangCluster(agents, log_dir=logs, control_token=config.gateway.control_token)
+            cluster = SGLangCluster(
+                agents,
+                log_dir=logs,
+                control_token=config.gateway.control_token,
+                restart_agents=config.cluster.restart_killed,
+            )
             n = len(agents)
             timeout_s = SGLANG_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
         gw.fault_injector = cluster

@@ -40,6 +40,7 @@ SERVER_SIGNALS = {
     "term": signal.SIGTERM,
 }
 AGENT_MODULE = "worker_hooks.sglang"
+AGENT_STOP_SLACK_S = 5.0  # an agent's own shutdown, on top of its server's grace
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ def agent_specs(
     restart: bool = True,
     host: str = "127.0.0.1",
     log_level: str = "info",
+    stop_grace_s: float = 5.0,
 ) -> list[AgentSpec]:
     """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: a stand-in
     launcher) `launch.workers` or `default_workers` agents, devices left alone."""
@@ -125,7 +127,8 @@ def agent_specs(
         url = f"http://{host}:{free_port(host)}"
         argv = [
             *("--url", url, "--gateway", control_address, "--id", wid, "--model", launch.model),
-            *("--failure-domain", f"d{i % max(1, failure_domains)}", "--log-level", log_level, "--launch"),
+            *("--failure-domain", f"d{i % max(1, failure_domains)}", "--log-level", log_level),
+            *("--stop-grace-s", f"{stop_grace_s:g}", "--launch"),
             *(() if restart else ("--no-restart",)),
             "--",
             *("--model-path", launch.model, "--tp-size", str(launch.tp)),
@@ -170,8 +173,9 @@ class SGLangCluster:
             await self._spawn(ap)
             ap.supervisor = asyncio.create_task(self._supervise(ap), name=f"supervise-{ap.spec.worker_id}")
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every agent (each stops its server), SIGKILL what is left after `grace_s`."""
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every agent, which gives its server `grace_s` (--stop-grace-s) to stop; SIGKILL the
+        agents left after that and AGENT_STOP_SLACK_S more (their servers die with them)."""
         self._stopping = True
         tasks = [t for ap in self.agents.values() for t in (ap.supervisor,) if t is not None]
         for t in tasks:
@@ -186,7 +190,7 @@ class SGLangCluster:
             with contextlib.suppress(ProcessLookupError):
                 p.terminate()
         try:
-            async with asyncio.timeout(grace_s):
+            async with asyncio.timeout(grace_s + AGENT_STOP_SLACK_S):
                 for p in procs:
                     await p.wait()
         except TimeoutError:

@@ -91,9 +91,7 @@ def free_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def state_event(
-    gw: Gateway, pred: Callable[[StateEvent], bool], within: float = 15.0
-) -> StateEvent:
+async def state_event(gw: Gateway, pred: Callable[[StateEvent], bool], within: float = 15.0) -> StateEvent:
     """The first state change (past or future) matching `pred`."""
     for ev in gw.monitor.events:
         if pred(ev):

@@ -1,10 +1,13 @@
-"""Lumen beside unmodified SGLang servers (sglang 0.5.23): the sidecar agent and its launcher.
+"""Lumen beside unmodified SGLang servers (sglang 0.5.23).
 
-`python -m worker_hooks.sglang` (or `lumen sglang-agent`) runs one agent beside one SGLang server:
-agent.py attaches it to the gateways' control plane as an `engine = "sglang"` worker; launcher.py
-starts, watches and restarts the server when the agent is asked to launch it.
+- the sidecar agent (`python -m worker_hooks.sglang`, or `lumen sglang-agent`): agent.py attaches one
+  SGLang server to the gateways' control plane as an `engine = "sglang"` worker; launcher.py starts,
+  watches and restarts the server when the agent is asked to launch it;
+- modules SGLang loads into its own server process (the HiCache storage backend, hicache_backend.py).
 
-This package is the only code in Lumen that may import sglang, and only lazily, in launcher.py, if at
-all; today nothing imports it: the server runs as a child process (`python -m sglang.launch_server`).
-The gateway process never imports this package (tests/unit/test_import_boundaries.py).
+This package is the only code in Lumen that may import sglang. The agent's modules (agent.py,
+launcher.py, __main__.py) import none of it: the server runs as a child process, and the launcher only
+asks the import system whether sglang is installed; any import of sglang they ever need goes lazily in
+launcher.py. Modules that SGLang itself loads may import it at the top, so this `__init__` imports
+no submodule. The gateway process never imports this package (tests/unit/test_import_boundaries.py).
 """

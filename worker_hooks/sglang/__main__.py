@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-ms", type=int, default=50, help="heartbeat interval if the gateway names none"
     )
+    p.add_argument(
+        "--stop-grace-s", type=float, default=10.0, help="--launch: on exit, SIGTERM, then SIGKILL after this"
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -112,8 +115,11 @@ def _launch_model(tail: list[str]) -> str:
 
 
 def _print_event(ev: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(ev) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(ev) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # nobody reads them any more: the events are only a report
+        pass
 
 
 async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
@@ -128,7 +134,7 @@ async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool) -> int:
+async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool, stop_grace_s: float) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,7 +155,7 @@ async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool) -> 
             t.cancel()
         return 1 if exited in done else 0  # 1: --no-restart, and the server died
     finally:
-        await sidecar.stop()
+        await sidecar.stop(stop_grace_s)
         if watchdog is not None:
             watchdog.cancel()
             await asyncio.gather(watchdog, return_exceptions=True)
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)
         return 2
-    return uvloop.run(serve(cfg, launch, restart=not args.no_restart))
+    return uvloop.run(serve(cfg, launch, restart=not args.no_restart, stop_grace_s=args.stop_grace_s))
 
 
 if __name__ == "__main__":
