@@ -27,6 +27,7 @@ from pathlib import Path
 
 import structlog
 
+from gateway.cluster.procs import stop_processes
 from gateway.server.api.errors import InvalidRequest, NotFound
 
 log = structlog.get_logger("lumen.cluster")
@@ -181,24 +182,12 @@ class SGLangCluster:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        procs = [ap.proc for ap in self.agents.values() if ap.proc is not None and ap.proc.returncode is None]
         for ap in self.agents.values():  # a hung (SIGSTOPped) server cannot act on its agent's SIGTERM
             if ap.server_pid is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(ap.server_pid, signal.SIGCONT)
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
-        try:
-            async with asyncio.timeout(grace_s + AGENT_STOP_SLACK_S):
-                for p in procs:
-                    await p.wait()
-        except TimeoutError:
-            for p in procs:
-                if p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        p.kill()
-                    await p.wait()
+        agents = [ap.proc for ap in self.agents.values() if ap.proc is not None]
+        await stop_processes(agents, grace_s + AGENT_STOP_SLACK_S)
         readers = [ap.reader for ap in self.agents.values() if ap.reader is not None]
         await asyncio.gather(*readers, return_exceptions=True)
 

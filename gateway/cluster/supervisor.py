@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
+from gateway.cluster.procs import stop_processes
 from gateway.config import Config, draft_for, recovery_policy
 from gateway.protocol.launch import EngineSpec, encode_spec
 from gateway.server.api.errors import NotFound
@@ -129,23 +130,7 @@ class LocalCluster:
             if wp.supervisor is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await wp.supervisor
-        procs = [
-            wp.proc for wp in self.workers.values() if wp.proc is not None and wp.proc.returncode is None
-        ]
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGCONT)  # a hung worker cannot handle SIGTERM
-                p.terminate()
-        try:
-            async with asyncio.timeout(grace_s):
-                for p in procs:
-                    await p.wait()
-        except TimeoutError:
-            for p in procs:
-                if p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        p.kill()
-                    await p.wait()
+        await stop_processes([wp.proc for wp in self.workers.values() if wp.proc is not None], grace_s)
 
     async def kill(self, worker_id: str, mode: str) -> dict[str, object]:
         wp = self.workers.get(worker_id)
