@@ -29,7 +29,11 @@ def search(request: pytest.FixtureRequest) -> settings:
 
 TESTS = Path(__file__).parent
 # a directory's tests carry its marker whatever their modules say (a conftest's `pytestmark` marks nothing)
-DIRECTORY_MARKERS = {TESTS / "e2e": pytest.mark.e2e, TESTS / "gpu": pytest.mark.gpu}
+DIRECTORY_MARKERS = {
+    TESTS / "e2e": pytest.mark.e2e,
+    TESTS / "gpu": pytest.mark.gpu,
+    TESTS / "sglang": pytest.mark.sglang,  # the real sglang package: `./dev sglang-test`
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

@@ -1,0 +1,803 @@
+"""HiCache storage semantics over Lumen's KV checkpoint plane, without SGLang (DESIGN 4.4).
+
+SGLang's HiCache calls a storage backend with page keys (its page hash, equal to
+`gateway.protocol.pagekeys`) and page bytes, from its own threads (backup, prefetch). `PageStore`
+answers those calls with Lumen's machinery; `hicache_backend.LumenHiCacheStorage` is the thin SGLang
+subclass that converts tensors and host-pool pages to bytes and calls it. Nothing here imports sglang
+or torch, so the default test run exercises all of it.
+
+Writing (`set`, `batch_set`): a page goes to the checkpoint holders of the request it belongs to, over
+the KV plane (`CheckpointSender`: ZMQ PUSH, grouped frames, a lag bound per holder). SGLang's storage
+calls carry no request id and no token ids, so a *route lookup* says where a page goes: a callable
+`key -> [PageRoute]` (one route per live request whose sequence contains the page; none: the page is
+not checkpointed). `RequestRoutes` is the table that fills it: the SGLang plugin (or the agent) calls
+`admit(rid, token_ids, holders)` when a request arrives with the gateway's `kv_hints`, `extend` as its
+tokens grow, `set_holders` when the gateway re-homes it, `retire` when it ends. The table hashes the
+request's pages itself, so a route carries the page's token ids and position: the holder recomputes
+every key from token ids as for Lumen's own engines (keys are never trusted from the wire), and a
+page SGLang hashed from other tokens (another `--page-size`, another namespace) finds no route.
+
+Reading (`exists`, `batch_exists`, `get`, `batch_get`): answered from the *local* holder store, a
+`CheckpointStore` behind a `StoreServer` in this process, bound at `holder_bind`: the pages other
+workers checkpointed here. So a server that restores a request read the pages its own co-located
+holder store was sent, and a read never touches the network.
+
+TP separation by partition: page keys carry no rank, and every TP rank writes its own shard of a page
+under the same key. Each rank runs its own page store with its own holder store at its own endpoint
+(`shard_endpoint(base, shard)`: tcp port + shard, or an ipc path suffix; see `shard_layout`), and rank r
+of a writer sends to rank r of each holder. A store therefore only ever holds one rank's bytes, and
+content addressing (dedupe by key) stays correct. Writer and holder must run the same TP/PP/CP layout,
+page size and host memory layout (SGLang requires the same of any storage reader). A rank-replicated
+(MLA) KV cache is written by one rank only (SGLang's `is_storage_writer`) and read by all: its writer
+sends each page to every TP rank of the holder, so each holder rank has a copy in its own process.
+
+Budget: the holder store keeps its byte budget and eviction policy (`CheckpointStore`); the writer's
+memory is bounded by `max_pending_bytes` (pages copied but not yet queued by the KV plane's loop) and
+the sender's `max_lag_bytes` per holder.
+
+Degradation (never block SGLang's call, never wait on the network): a write copies the page bytes (SGLang
+frees the host page once the call returns) and hands them to a private event-loop thread; it returns at
+once. A dead or slow holder lets its queue grow to `max_lag_bytes`, then the request is abandoned on that
+holder (a DROP is queued) and later pages for it there are dropped and counted; a full handoff queue
+drops the batch; a full holder store refuses or evicts by its policy, on the holder. A failed write
+returns False (SGLang logs it and stops that backup); reads never wait for anything but a short lock
+held while the holder applies one received message.
+
+Limits: a holder keeps per-request chains from page 0 (`CheckpointStore`), so a request whose first
+pages SGLang stored before it was routed (a prefix another request wrote) is checkpointed only where
+that holder already holds the prefix; elsewhere the holder refuses the gap and the gateway sees fewer
+durable tokens. The filler calls `finish` or `drop` when a request ends (the holder's orphan TTL frees
+what it never ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+import msgspec
+import numpy as np
+import structlog
+import zmq
+import zmq.asyncio
+
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
+from gateway.protocol.launch import Eviction
+from gateway.protocol.pagekeys import page_keys
+from worker_hooks.kv.receiver import StoreServer
+from worker_hooks.kv.sender import CheckpointSender
+from worker_hooks.kv.store import CheckpointStore, StoreStats
+
+log = structlog.get_logger("lumen.sglang.page_store")
+
+Buffer = bytes | bytearray | memoryview
+START_TIMEOUT_S: Final = 10.0
+EXPIRE_PERIOD_MAX_S: Final = 5.0
+MAX_CACHED_ENDPOINTS: Final = 4096
+MAX_TRACKED: Final = 1 << 16  # requests whose last queued page (or abandonment) the store remembers
+
+
+# -- routing --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PageRoute:
+    """Where one page goes: request `rid`'s page number `page_index`, to `holders` (base endpoints)."""
+
+    rid: str
+    holders: tuple[str, ...]
+    page_index: int
+    token_ids: tuple[int, ...]  # the page's ids (len = page size)
+    parent_key: str | None  # key of page page_index - 1, or the chain's prior (namespace seed) for page 0
+
+
+RouteLookup = Callable[[str], Sequence[PageRoute]]
+
+
+@dataclass(slots=True, eq=False)
+class _Routed:
+    tokens: list[int]
+    holders: tuple[str, ...]
+    prior: str | None
+    keys: list[str] = field(default_factory=list)
+
+
+class RequestRoutes:
+    """Page key -> the live requests (and their holders) whose sequence holds that page. Thread-safe.
+
+    Memory: the token ids and page keys of every admitted request until `retire`; the filler retires a
+    request when it ends (or the gateway drops its checkpoint).
+    """
+
+    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._lock = threading.Lock()
+        self._reqs: dict[str, _Routed] = {}
+        self._by_key: dict[str, dict[str, int]] = {}  # key -> {rid: page index}
+
+    def admit(
+        self, rid: str, token_ids: Sequence[int], holders: Iterable[str], *, prior: str | None = None
+    ) -> list[str]:
+        """Route request `rid` (its whole sequence so far) to `holders`; returns its page keys.
+        `prior` is the chain's seed (`pagekeys.namespace_seed` of its extra_key / cache_salt)."""
+        with self._lock:
+            self._retire(rid)
+            req = self._reqs[rid] = _Routed([], tuple(dict.fromkeys(holders)), prior)
+            return self._extend(rid, req, token_ids)
+
+    def extend(self, rid: str, token_ids: Sequence[int]) -> list[str]:
+        """Tokens appended to `rid`'s sequence; returns the keys of the pages they completed."""
+        with self._lock:
+            req = self._reqs.get(rid)
+            return [] if req is None else self._extend(rid, req, token_ids)
+
+    def set_holders(self, rid: str, holders: Iterable[str]) -> None:
+        with self._lock:
+            req = self._reqs.get(rid)
+            if req is not None:
+                req.holders = tuple(dict.fromkeys(holders))
+
+    def retire(self, rid: str) -> None:
+        with self._lock:
+            self._retire(rid)
+
+    def rids(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._reqs)
+
+    def __call__(self, key: str) -> list[PageRoute]:
+        ps = self.page_size
+        with self._lock:
+            out = []
+            for rid, idx in self._by_key.get(key, {}).items():
+                req = self._reqs[rid]
+                parent = req.keys[idx - 1] if idx else req.prior
+                ids = tuple(req.tokens[idx * ps : (idx + 1) * ps])
+                out.append(PageRoute(rid, req.holders, idx, ids, parent))
+            return out
+
+    def _extend(self, rid: str, req: _Routed, token_ids: Sequence[int]) -> list[str]:
+        ps = self.page_size
+        req.tokens.extend(int(t) for t in token_ids)
+        done = len(req.keys)
+        full = len(req.tokens) // ps
+        if full <= done:
+            return []
+        prior = req.keys[-1] if req.keys else req.prior
+        new = page_keys(req.tokens[done * ps : full * ps], ps, prior)
+        for i, key in enumerate(new):
+            self._by_key.setdefault(key, {})[rid] = done + i
+        req.keys.extend(new)
+        return new
+
+    def _retire(self, rid: str) -> None:
+        req = self._reqs.pop(rid, None)
+        if req is None:
+            return
+        for key in req.keys:
+            rids = self._by_key.get(key)
+            if rids is not None:
+                rids.pop(rid, None)
+                if not rids:
+                    del self._by_key[key]
+
+
+def no_routes(key: str) -> Sequence[PageRoute]:
+    """A lookup that routes nothing: a page store that only serves reads."""
+    return ()
+
+
+# -- shards ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """Which holder store a rank owns and which ones its writes go to, per server."""
+
+    own: int  # this rank's store (and endpoint offset)
+    write_to: tuple[int, ...]  # the holder ranks that need this rank's pages
+    count: int  # stores per server
+
+
+def shard_layout(
+    *,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    rank_replicated: bool = False,
+) -> ShardLayout:
+    """One store per rank, numbered ((pp_rank · cp_size) + cp_rank) · tp_size + tp_rank. A TP-sharded
+    cache's rank writes to the same rank of the holder; a rank-replicated (MLA) cache's writer writes
+    to every TP rank of its (pp, cp) group, since each of them reads the whole page."""
+    for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size)):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"{name} rank {rank} outside [0, {size})")
+    group = (pp_rank * cp_size + cp_rank) * tp_size
+    own = group + tp_rank
+    write_to = tuple(range(group, group + tp_size)) if rank_replicated else (own,)
+    return ShardLayout(own, write_to, pp_size * cp_size * tp_size)
+
+
+def shard_endpoint(base: str, shard: int) -> str:
+    """The endpoint of shard `shard` of the holder whose (shard 0) endpoint is `base`: tcp port + shard,
+    ipc/inproc path + `.shard<n>`. Shard 0 is `base` itself, so a one-shard SGLang holder and Lumen's
+    own engines share one addressing."""
+    if shard < 0:
+        raise ValueError(f"shard must be >= 0, got {shard}")
+    if base.startswith("tcp://"):
+        host, sep, port = base[len("tcp://") :].rpartition(":")
+        if not host or not sep or not port.isdigit():
+            raise ValueError(f"tcp endpoint needs host:port, got {base!r}")
+        if shard == 0:
+            return base
+        if int(port) == 0:
+            raise ValueError(f"a sharded tcp endpoint needs a fixed port, got {base!r}")
+        if int(port) + shard > 65535:
+            raise ValueError(f"{base!r} + shard {shard} is past port 65535")
+        return f"tcp://{host}:{int(port) + shard}"
+    if base.startswith(("ipc://", "inproc://")) and base.partition("://")[2]:
+        return base if shard == 0 else f"{base}.shard{shard}"
+    raise ValueError(f"unsupported endpoint {base!r} (tcp://, ipc:// or inproc://)")
+
+
+# -- configuration --------------------------------------------------------------------------------
+class LumenStorageOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The `"lumen"` object of SGLang's `--hicache-storage-backend-extra-config` (docs/sglang.md)."""
+
+    worker_id: str  # this server's Lumen worker id: `src_worker` of every page it checkpoints
+    incarnation: int = 0  # its incarnation: holders fence pages of older ones
+    # where this server's holder store listens (shard 0; shard s: `shard_endpoint`); None: no store
+    holder_endpoint: str | None = None
+    holder_budget_bytes: int = 0  # host memory for other workers' pages, whole server (split by shard)
+    eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
+    # SGLang writes a request's pages after prefill and at finish, nothing while it decodes: a holder
+    # must keep a quiet checkpoint far longer than Lumen's own (30 s, refreshed every step)
+    orphan_ttl_s: float = 600.0
+    frame_bytes: int = 1 << 20
+    max_lag_bytes: int = 256 << 20  # per holder: beyond it a request is abandoned there
+    max_pending_bytes: int = 64 << 20  # copied pages not yet queued by the KV plane: beyond it, dropped
+    # "module:attr": a RouteLookup (key -> [PageRoute]) that a plugin in the same process fills;
+    # None: the backend's own RequestRoutes table (`LumenHiCacheStorage.routes`)
+    route_provider: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("lumen.worker_id must not be empty")
+        if self.incarnation < 0 or self.holder_budget_bytes < 0:
+            raise ValueError("lumen.incarnation and lumen.holder_budget_bytes must be >= 0")
+        if self.orphan_ttl_s <= 0 or min(self.frame_bytes, self.max_lag_bytes, self.max_pending_bytes) < 1:
+            raise ValueError("lumen.orphan_ttl_s, frame_bytes, max_lag_bytes, max_pending_bytes must be > 0")
+        if self.holder_endpoint is not None:
+            shard_endpoint(self.holder_endpoint, 0)  # a malformed endpoint is refused here, not at bind
+
+
+def options_from_extra_config(extra_config: dict[str, Any] | None) -> LumenStorageOptions:
+    """Lumen's options from SGLang's extra config; a clear ValueError naming the key otherwise."""
+    raw = (extra_config or {}).get("lumen")
+    if not isinstance(raw, dict):
+        raise ValueError('the extra config needs a "lumen" object with at least "worker_id" (docs/sglang.md)')
+    try:
+        return msgspec.convert(raw, LumenStorageOptions)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad lumen storage option: {exc}") from exc
+
+
+def load_route_provider(spec: str) -> RouteLookup:
+    """The RouteLookup named by "package.module:attr"."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f'route_provider must be "module:attr", got {spec!r}')
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"route_provider {spec!r} is not callable")
+    lookup: RouteLookup = obj
+    return lookup
+
+
+@dataclass(frozen=True, slots=True)
+class PageStoreConfig:
+    worker_id: str
+    incarnation: int = 0
+    shard: int = 0  # this rank's store (`ShardLayout.own`)
+    write_to: tuple[int, ...] | None = None  # holder ranks its pages go to (None: (shard,))
+    holder_bind: str | None = None  # this rank's store endpoint ("tcp://127.0.0.1:0" picks a port)
+    budget_bytes: int = 0  # this rank's store budget
+    eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
+    orphan_ttl_s: float = 30.0
+    frame_bytes: int = 1 << 20
+    linger_s: float = 0.002
+    max_lag_bytes: int = 256 << 20
+    max_pending_bytes: int = 64 << 20
+    drain_timeout_s: float = 0.1  # close(): how long queued pages may still go out
+
+    @classmethod
+    def for_rank(cls, opts: LumenStorageOptions, layout: ShardLayout) -> PageStoreConfig:
+        bind = shard_endpoint(opts.holder_endpoint, layout.own) if opts.holder_endpoint is not None else None
+        return cls(
+            worker_id=opts.worker_id,
+            incarnation=opts.incarnation,
+            shard=layout.own,
+            write_to=layout.write_to,
+            holder_bind=bind,
+            budget_bytes=opts.holder_budget_bytes // layout.count,
+            eviction=opts.eviction,
+            orphan_ttl_s=opts.orphan_ttl_s,
+            frame_bytes=opts.frame_bytes,
+            max_lag_bytes=opts.max_lag_bytes,
+            max_pending_bytes=opts.max_pending_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PageStoreStats:
+    set_pages: int  # pages SGLang asked to write
+    queued_pages: int  # (page, request) pairs handed to the KV plane
+    unrouted_pages: int  # no live request routed: not checkpointed (reported as written)
+    dropped_pages: int  # routed but not sent: holder abandoned, handoff full, route error
+    abandoned: int  # (request, holder) checkpoints given up for lag (dead or slow holder)
+    pending_bytes: int  # copied, not yet queued
+    exists_queries: int
+    hit_pages: int  # pages found by exists queries
+    read_pages: int  # pages copied out by get
+    miss_pages: int  # get of a page not held, or of another size than the target
+    holder: StoreStats | None  # the local holder store
+
+
+class _LockedStoreServer(StoreServer):
+    """A StoreServer whose store mutations hold `lock`, so other threads may read the store."""
+
+    def __init__(self, store: CheckpointStore, endpoint: str, *, lock: threading.Lock, **kw: Any) -> None:
+        super().__init__(store, endpoint, **kw)
+        self._lock = lock
+
+    def handle(self, frames: list[memoryview]) -> None:
+        with self._lock:
+            super().handle(frames)
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """Consecutive pages of one request, copied into one buffer, on their way to the KV plane."""
+
+    rid: str
+    holders: tuple[str, ...]
+    first_page: int
+    parent_key: str | None
+    token_ids: list[int]
+    page_size: int
+    payload: memoryview
+    n_pages: int
+
+
+def _flat(data: Any) -> memoryview:
+    mv = memoryview(data)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
+class PageStore:
+    """HiCache's storage calls over Lumen's KV plane; every public method may be called from any thread."""
+
+    def __init__(
+        self,
+        config: PageStoreConfig,
+        routes: RouteLookup = no_routes,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._routes = routes
+        self._clock = clock
+        self._lock = threading.Lock()  # the holder store's contents
+        self._count_lock = threading.Lock()  # counters and pending bytes
+        self.store: CheckpointStore | None = None
+        if config.holder_bind is not None:
+            self.store = CheckpointStore(config.budget_bytes, config.eviction, config.orphan_ttl_s, clock)
+        self._pending = 0
+        self._set = self._queued = self._unrouted = self._dropped = self._abandoned_n = 0
+        self._exists = self._hits = self._read = self._misses = 0
+        # (rid, endpoint) given up for lag: written on the loop thread, read anywhere; bounded
+        self._abandoned: dict[tuple[str, str], None] = {}
+        self._next_page: dict[str, int] = {}  # loop thread: rid -> page after the last one queued; bounded
+        self._write_to = config.write_to if config.write_to is not None else (config.shard,)
+        self._endpoints: dict[str, tuple[str, ...]] = {}  # base holder endpoint -> the ones written to
+        self.endpoint = ""
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._sender: CheckpointSender | None = None
+        started: Future[str] = Future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(started,), name=f"lumen-pages-{config.shard}", daemon=True
+        )
+        self._thread.start()
+        try:
+            self.endpoint = started.result(timeout=START_TIMEOUT_S)
+        except BaseException:
+            self._closed = True
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._request_stop)
+            self._thread.join(START_TIMEOUT_S)
+            raise
+
+    # -- writes ----------------------------------------------------------------------------------
+    def set(self, key: str, value: Buffer) -> bool:
+        return self.batch_set([key], [value])[0]
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
+        """Checkpoint pages (`values[i]` is page `keys[i]`'s bytes, any buffer) to their requests'
+        holders. Per page: True when it was queued for at least one holder or no request wants it,
+        False when it was dropped. Never waits on the network."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} values")
+        results = [True] * len(keys)
+        runs: dict[str, list[tuple[int, PageRoute, memoryview]]] = {}  # rid -> [(i, route, page)]
+        unrouted = dropped = 0
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            try:
+                routes = self._routes(key)
+            except Exception:  # a filler bug must not break SGLang's backup thread
+                log.exception("route_lookup_failed", key=key[:16])
+                routes = ()
+            routes = [r for r in routes if r.holders]  # a request without holders is not checkpointed
+            if not routes:
+                unrouted += 1
+                continue
+            wanted = False
+            for route in routes:
+                holders = self._shard_endpoints(route.holders)
+                if all((route.rid, h) in self._abandoned for h in holders):
+                    continue
+                wanted = True
+                runs.setdefault(route.rid, []).append((i, replace(route, holders=holders), _flat(value)))
+            if not wanted:
+                results[i] = False
+                dropped += 1
+        sent: set[int] = set()
+        failed: set[int] = set()
+        queued = 0
+        for rid, pages in runs.items():
+            for run_pages in _contiguous(pages):
+                if self._hand_off(rid, run_pages):
+                    queued += len(run_pages)
+                    sent.update(i for i, _, _ in run_pages)
+                else:
+                    failed.update(i for i, _, _ in run_pages)
+        # a page is written when the run of any request that wants it went out
+        for i in failed - sent:
+            results[i] = False
+        with self._count_lock:
+            self._set += len(keys)
+            self._queued += queued
+            self._unrouted += unrouted
+            self._dropped += dropped + len(failed - sent)
+        return results
+
+    def _shard_endpoints(self, holders: tuple[str, ...]) -> tuple[str, ...]:
+        """The endpoints of the holders' ranks this rank writes to (holders are base endpoints); a
+        malformed one is left out."""
+        out: list[str] = []
+        for base in holders:
+            endpoints = self._endpoints.get(base)
+            if endpoints is None:
+                try:
+                    endpoints = tuple(shard_endpoint(base, s) for s in self._write_to)
+                except ValueError:
+                    log.warning("bad_holder_endpoint", endpoint=base[:200], shard=self.config.shard)
+                    endpoints = ()
+                if len(self._endpoints) < MAX_CACHED_ENDPOINTS:
+                    self._endpoints[base] = endpoints
+            out.extend(endpoints)
+        return tuple(dict.fromkeys(out))
+
+    def _hand_off(self, rid: str, pages: list[tuple[int, PageRoute, memoryview]]) -> bool:
+        head = pages[0][1]
+        holders = tuple(h for h in head.holders if (rid, h) not in self._abandoned)
+        nbytes = sum(p.nbytes for _, _, p in pages)
+        sizes = {p.nbytes for _, _, p in pages}
+        page_size = len(head.token_ids)
+        if not holders or len(sizes) != 1 or nbytes == 0 or page_size == 0:
+            return False
+        with self._count_lock:
+            if self._closed or self._pending + nbytes > self.config.max_pending_bytes:
+                return False
+            self._pending += nbytes
+        # the copy SGLang needs: its host page is reused once this call returns
+        buf = np.empty(nbytes, dtype=np.uint8)
+        offset = 0
+        for _, _, page in pages:
+            buf[offset : offset + page.nbytes] = np.frombuffer(page, dtype=np.uint8)
+            offset += page.nbytes
+        ids = [t for _, r, _ in pages for t in r.token_ids]
+        run = _Run(rid, holders, head.page_index, head.parent_key, ids, page_size, buf.data, len(pages))
+        try:
+            self._loop.call_soon_threadsafe(self._enqueue, run)
+        except RuntimeError:  # the loop is closed
+            with self._count_lock:
+                self._pending -= nbytes
+            return False
+        return True
+
+    def finish(self, rid: str) -> None:
+        """The request ended: its holders free its pages once the queued ones are sent (END)."""
+        self._control(rid, drop=False)
+
+    def drop(self, rid: str) -> None:
+        """Cancel the request's checkpoint: queued pages discarded, DROP at its holders."""
+        self._control(rid, drop=True)
+
+    def _control(self, rid: str, *, drop: bool) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._close_rid, rid, drop)
+
+    # -- reads (the local holder store) ----------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, the local holder store holds."""
+        store = self.store
+        n = 0
+        if store is not None:
+            with self._lock:
+                for key in keys:
+                    if store.page(key) is None:
+                        break
+                    n += 1
+        with self._count_lock:
+            self._exists += 1
+            self._hits += n
+        return n
+
+    def get(self, key: str, target: Any = None) -> Any:
+        """Page `key`'s bytes: copied into `target` (any writable buffer of the page's size), which is
+        returned, or as new bytes when no target is given; None when not held or of another size."""
+        return self.batch_get([key], [target])[0]
+
+    def batch_get(self, keys: Sequence[str], targets: Sequence[Any] | None = None) -> list[Any]:
+        if targets is not None and len(targets) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(targets)} targets")
+        store = self.store
+        views: list[memoryview | None] = [None] * len(keys)
+        if store is not None:
+            with self._lock:  # held pages are immutable: copy after releasing the lock
+                views = [store.page(k) for k in keys]
+        out: list[Any] = []
+        read = misses = 0
+        for i, view in enumerate(views):
+            target = targets[i] if targets is not None else None
+            if view is None:
+                out.append(None)
+                misses += 1
+            elif target is None:
+                out.append(bytes(view))
+                read += 1
+            else:
+                dst = _flat(target)
+                if dst.nbytes != view.nbytes or dst.readonly:
+                    out.append(None)
+                    misses += 1
+                else:
+                    dst[:] = view
+                    out.append(target)
+                    read += 1
+        with self._count_lock:
+            self._read += read
+            self._misses += misses
+        return out
+
+    # -- observation -----------------------------------------------------------------------------
+    def stats(self) -> PageStoreStats:
+        holder = None
+        if self.store is not None:
+            with self._lock:
+                holder = self.store.stats()
+        with self._count_lock:
+            return PageStoreStats(
+                set_pages=self._set,
+                queued_pages=self._queued,
+                unrouted_pages=self._unrouted,
+                dropped_pages=self._dropped,
+                abandoned=self._abandoned_n,
+                pending_bytes=self._pending,
+                exists_queries=self._exists,
+                hit_pages=self._hits,
+                read_pages=self._read,
+                miss_pages=self._misses,
+                holder=holder,
+            )
+
+    def clear(self) -> None:
+        """Forget every page held locally (SGLang's `clear`, e.g. /flush_cache)."""
+        if self.store is None:
+            return
+        with self._lock:
+            for rid in self.store.rids():
+                self.store.release(rid)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every handed-off page has been passed to zmq; for tests and shutdown."""
+        if self._closed:
+            return False
+        deadline = self._clock() + timeout_s
+        while True:
+            with self._count_lock:
+                pending = self._pending
+            if not pending:
+                break
+            if self._clock() >= deadline:
+                return False
+            time.sleep(0.001)
+        fut = asyncio.run_coroutine_threadsafe(self._flush(max(0.0, deadline - self._clock())), self._loop)
+        try:
+            return fut.result(timeout=max(0.0, deadline - self._clock()) + 1.0)
+        except TimeoutError:
+            return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the KV plane's thread: queued pages get `drain_timeout_s` to go out. Idempotent."""
+        with self._count_lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._request_stop)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("page_store_thread_did_not_stop", shard=self.config.shard)
+
+    # -- the KV plane's thread -------------------------------------------------------------------
+    def _thread_main(self, started: Future[str]) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main(started))
+        except BaseException as exc:  # startup failed: the constructor re-raises it
+            if started.done():
+                log.exception("page_store_thread_failed", shard=self.config.shard)
+            else:
+                started.set_exception(exc)
+        finally:
+            with contextlib.suppress(Exception):
+                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    async def _main(self, started: Future[str]) -> None:
+        self._stop = asyncio.Event()
+        ctx = zmq.asyncio.Context()
+        server: StoreServer | None = None
+        expire: asyncio.Task[None] | None = None
+        cfg = self.config
+        try:
+            self._sender = CheckpointSender(
+                cfg.worker_id,
+                cfg.incarnation,
+                ctx=ctx,
+                frame_bytes=cfg.frame_bytes,
+                linger_s=cfg.linger_s,
+                max_lag_bytes=cfg.max_lag_bytes,
+                clock=self._clock,
+            )
+            endpoint = ""
+            if self.store is not None and cfg.holder_bind is not None:
+                server = _LockedStoreServer(self.store, cfg.holder_bind, ctx=ctx, lock=self._lock)
+                endpoint = await server.start()
+                expire = asyncio.create_task(self._expire(), name=f"lumen-pages-expire-{cfg.shard}")
+            started.set_result(endpoint)
+            await self._stop.wait()
+        finally:
+            if expire is not None:
+                expire.cancel()
+                await asyncio.gather(expire, return_exceptions=True)
+            if self._sender is not None:
+                await self._sender.close(drain_timeout_s=cfg.drain_timeout_s)
+            if server is not None:
+                await server.close()
+            ctx.term()  # every socket is closed; waits at most for the sender's linger
+
+    def _request_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def _enqueue(self, run: _Run) -> None:
+        with self._count_lock:
+            self._pending -= run.payload.nbytes
+        sender = self._sender
+        if sender is None or self._closed:
+            self._count_dropped(run.n_pages)
+            return
+        holders = [h for h in run.holders if (run.rid, h) not in self._abandoned]
+        if not holders:
+            self._count_dropped(run.n_pages)
+            return
+        # an explicit parent only where the run does not continue what was queued before
+        parent = None if self._next_page.get(run.rid) == run.first_page else run.parent_key
+        try:
+            sender.send_pages(
+                run.rid,
+                holders,
+                run.first_page,
+                run.token_ids,
+                run.payload,
+                page_size=run.page_size,
+                parent_key=parent,
+            )
+        except (ValueError, RuntimeError):  # a bad endpoint from the route filler; closing
+            log.exception("checkpoint_send_refused", rid=run.rid, holders=holders)
+            self._count_dropped(run.n_pages)
+            return
+        self._next_page.pop(run.rid, None)  # re-inserted last: the oldest request is forgotten first
+        self._next_page[run.rid] = run.first_page + run.n_pages
+        _bound(self._next_page)
+        gone = sender.abandoned()
+        for a in gone:
+            self._abandoned[(a.rid, a.endpoint)] = None
+            _bound(self._abandoned)
+            log.info("checkpoint_abandoned", rid=a.rid, holder=a.endpoint, dropped_bytes=a.dropped_bytes)
+        if gone:
+            with self._count_lock:
+                self._abandoned_n += len(gone)
+
+    def _close_rid(self, rid: str, drop: bool) -> None:
+        sender = self._sender
+        if sender is None:
+            return
+        if drop:
+            sender.drop(rid)
+        else:
+            sender.end(rid)
+        self._next_page.pop(rid, None)
+        for pair in [p for p in self._abandoned if p[0] == rid]:
+            del self._abandoned[pair]
+
+    def _count_dropped(self, n: int) -> None:
+        with self._count_lock:
+            self._dropped += n
+
+    async def _flush(self, timeout_s: float) -> bool:
+        return await self._sender.flush(timeout_s) if self._sender is not None else False
+
+    async def _expire(self) -> None:
+        store = self.store
+        if store is None:
+            return
+        period = min(store.orphan_ttl_s / 4, EXPIRE_PERIOD_MAX_S)
+        while True:
+            await asyncio.sleep(period)
+            with self._lock:
+                expired = store.expire_orphans()
+            if expired:
+                log.info("checkpoint_orphans_expired", shard=self.config.shard, rids=expired)
+
+
+def _bound(d: dict[Any, Any], limit: int = MAX_TRACKED) -> None:
+    """Forget the oldest entries of a per-request dict whose requests were never finished or dropped:
+    a forgotten one costs only an explicit parent key on its next run, or a retry on a dead holder."""
+    while len(d) > limit:
+        del d[next(iter(d))]
+
+
+def _contiguous(
+    pages: list[tuple[int, PageRoute, memoryview]],
+) -> Iterable[list[tuple[int, PageRoute, memoryview]]]:
+    """Split one request's pages into runs of consecutive page indices with one holder set."""
+    run: list[tuple[int, PageRoute, memoryview]] = []
+    for item in pages:
+        if run and (
+            item[1].page_index != run[-1][1].page_index + 1
+            or item[1].holders != run[-1][1].holders
+            or item[2].nbytes != run[-1][2].nbytes
+        ):
+            yield run
+            run = []
+        run.append(item)
+    if run:
+        yield run
