@@ -21,10 +21,13 @@ Differences from a Lumen worker's request:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Annotated, Any, Final
 
 import msgspec
 
 from gateway.protocol.generate import GenerateRequest
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 
 RID_HEX_DIGITS = 32
 _I64 = 1 << 63
@@ -48,6 +51,8 @@ class SGLangGenerate(msgspec.Struct, omit_defaults=True, kw_only=True):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # Lumen's checkpoint instruction for the plugin (part 2); None: no checkpoint of this attempt
+    kv_hints: LumenKvHints | None = None
 
 
 class SGLangAbort(msgspec.Struct, kw_only=True):
@@ -66,15 +71,26 @@ def sglang_seed(seed_base: int) -> int:
     return seed - (1 << 64) if seed >= _I64 else seed
 
 
-def to_sglang(req: GenerateRequest, *, seed_base: int | None) -> SGLangGenerate:
+def to_sglang(
+    req: GenerateRequest, *, seed_base: int | None, epoch: int = 0, src_worker: str = ""
+) -> SGLangGenerate:
     """Lumen's data-path request as SGLang's: the same ids and sampling, no extension.
 
-    A greedy request carries no seed (it needs none); `seed_base` None sends none either.
+    A greedy request carries no seed (it needs none); `seed_base` None sends none either. The holders
+    of the `lumen` extension, if any, become `kv_hints` for Lumen's plugin (checkpoints, part 2), for
+    serving incarnation `epoch` of `src_worker`.
     """
+    rid = sglang_rid(req.rid)
+    holders = req.lumen.checkpoint if req.lumen is not None else []
+    hints = None
+    if holders and src_worker:
+        hints = kv_hints_for(
+            rid, epoch=epoch, src_worker=src_worker, holders=[(h.worker_id, h.kv_endpoint) for h in holders]
+        )
     sp = req.sampling_params
     greedy = sp.temperature <= 0.0 or sp.top_k == 1
     return SGLangGenerate(
-        rid=sglang_rid(req.rid),
+        rid=rid,
         input_ids=req.input_ids,
         sampling_params=SGLangSamplingParams(
             max_new_tokens=sp.max_new_tokens,
@@ -90,6 +106,7 @@ def to_sglang(req: GenerateRequest, *, seed_base: int | None) -> SGLangGenerate:
         # and the prefix cache is not limited by it, srt/managers/scheduler.py)
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+        kv_hints=hints,
     )
 
 
@@ -159,3 +176,128 @@ def verified_tokens(drafts: list[int], resp: SGLangVerifyResponse) -> tuple[list
     if len(resp.output_ids) != 1:
         raise ValueError(f"expected one output token, got {len(resp.output_ids)}")
     return [*drafts, resp.output_ids[0]], len(drafts)
+
+
+# -- kv_hints: Lumen's checkpoint instructions to an SGLang server's plugin ------------------------------
+# SGLang 0.5.23 carries `kv_hints` on `/generate` (`srt/managers/kv_hints.py`: an envelope of versioned
+# actions) and keeps it on the request (`Req.kv_hints`); nothing in SGLang reads it. Lumen's plugin
+# (`worker_hooks/sglang/plugin.py`) reads one `lumen.checkpoint` action: stream this request's KV pages,
+# as they complete, to its holders over the KV plane (DESIGN 4.4). The envelope must pass SGLang's JSON
+# contract (`sglang/api/v1/api_types.py`: every action needs `action_id`, `action_type` and
+# `action_version`, and SGLang's own decoder requires all three); the payload is Lumen's own.
+
+LUMEN_KV_HINTS_PROTOCOL: Final = "lumen.kv.v1"
+LUMEN_CHECKPOINT_ACTION: Final = "lumen.checkpoint"
+LUMEN_CHECKPOINT_ACTION_VERSION: Final = "1"
+
+_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+_PageSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
+class LumenKvHolder(msgspec.Struct, frozen=True, kw_only=True):
+    """A checkpoint holder: its worker id and its KV plane endpoint (shard 0 of an SGLang holder)."""
+
+    worker_id: _Name
+    kv_endpoint: _Name
+
+
+class LumenCheckpointPayload(msgspec.Struct, frozen=True, kw_only=True):
+    epoch: _NonNeg  # the serving worker's incarnation: the KV header's `incarnation`
+    src_worker: _Name  # the serving worker's id at the gateway
+    holders: list[LumenKvHolder]
+    page_size: _PageSize = DEFAULT_PAGE_SIZE  # must equal the server's --page-size
+    # pages [0, first_page) are already held (a resumed request): streaming starts here, chained to them
+    first_page: _NonNeg = 0
+
+
+class LumenKvHintAction(msgspec.Struct, frozen=True, kw_only=True):
+    action_id: _Name  # the attempt's rid
+    action_type: str = LUMEN_CHECKPOINT_ACTION
+    action_version: str = LUMEN_CHECKPOINT_ACTION_VERSION
+    payload: LumenCheckpointPayload
+
+
+class LumenKvHints(msgspec.Struct, frozen=True, kw_only=True):
+    """The `kv_hints` envelope of one attempt (`message_id`: the attempt's rid)."""
+
+    protocol_version: str = LUMEN_KV_HINTS_PROTOCOL
+    message_id: _Name
+    actions: list[LumenKvHintAction]
+
+
+class LumenCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """What the plugin acts on: request `rid`'s pages go to `holders` under `src_worker`/`epoch`."""
+
+    rid: str
+    epoch: int
+    src_worker: str
+    holders: tuple[LumenKvHolder, ...]
+    page_size: int
+    first_page: int
+
+
+def kv_hints_for(
+    rid: str,
+    *,
+    epoch: int,
+    src_worker: str,
+    holders: Sequence[tuple[str, str]],
+    page_size: int = DEFAULT_PAGE_SIZE,
+    first_page: int = 0,
+) -> LumenKvHints:
+    """The `kv_hints` that make an SGLang server with Lumen's plugin checkpoint attempt `rid` to
+    `holders` ((worker id, KV endpoint) pairs); `msgspec.to_builtins` gives the JSON body value."""
+    hints = LumenKvHints(
+        message_id=rid,
+        actions=[
+            LumenKvHintAction(
+                action_id=rid,
+                payload=LumenCheckpointPayload(
+                    epoch=epoch,
+                    src_worker=src_worker,
+                    holders=[LumenKvHolder(worker_id=w, kv_endpoint=e) for w, e in holders],
+                    page_size=page_size,
+                    first_page=first_page,
+                ),
+            )
+        ],
+    )
+    # the same checks a receiver applies (bounds, non-empty names)
+    return msgspec.convert(msgspec.to_builtins(hints), LumenKvHints)
+
+
+def parse_kv_hints(value: Any) -> LumenCheckpoint | None:
+    """Lumen's checkpoint instruction in a `kv_hints` value (JSON-like, as `msgspec.to_builtins` gives
+    SGLang's `KvHintsEnvelope`): None when there is none (no hints, another protocol, only actions of
+    other types or versions, which SGLang's contract says to ignore); ValueError when Lumen's own action
+    is malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("protocol_version") != LUMEN_KV_HINTS_PROTOCOL:
+        return None
+    actions = value.get("actions")
+    if not isinstance(actions, list):
+        raise ValueError("kv_hints: actions must be a list")
+    for raw in actions:
+        if (
+            not isinstance(raw, dict)
+            or raw.get("action_type") != LUMEN_CHECKPOINT_ACTION
+            or raw.get("action_version") != LUMEN_CHECKPOINT_ACTION_VERSION
+        ):
+            continue
+        try:
+            action = msgspec.convert(raw, LumenKvHintAction)
+            rid = msgspec.convert(value.get("message_id"), _Name)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"kv_hints: malformed {LUMEN_CHECKPOINT_ACTION} action: {exc}") from exc
+        p = action.payload
+        return LumenCheckpoint(
+            rid=rid,
+            epoch=p.epoch,
+            src_worker=p.src_worker,
+            holders=tuple(dict.fromkeys(p.holders)),
+            page_size=p.page_size,
+            first_page=p.first_page,
+        )
+    return None

@@ -229,7 +229,9 @@ class SessionManager:
         wrid = f"{s.job.rid}-{s.attempts}"
         sglang = worker.engine is EngineKind.SGLANG
         holders: list[HolderRef] = []
-        if self.checkpoints is not None and not sglang:  # SGLang checkpoints: part 2 (not yet)
+        # an SGLang server checkpoints only through Lumen's plugin and page store (its agent then
+        # reports a KV endpoint); an agentless one is never given holders
+        if self.checkpoints is not None and (not sglang or worker.kv_endpoint):
             holders = self.checkpoints.assign(
                 s.job.rid, wrid, worker, len(s.job.prompt_ids) + len(s.emitted), s.remaining
             )
@@ -252,7 +254,11 @@ class SessionManager:
             ),
         )
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
-        body: msgspec.Struct = to_sglang(req, seed_base=s.seed_base) if sglang else req
+        body: msgspec.Struct = (
+            to_sglang(req, seed_base=s.seed_base, epoch=worker.incarnation, src_worker=worker.id)
+            if sglang
+            else req
+        )
         assist = None
         # assisted output must stay exact, and has no logprobs (a verification gives only the top-1)
         greedy = (sp.temperature <= 0.0 or sp.top_k == 1) and s.job.logprobs is None
@@ -295,7 +301,7 @@ class SessionManager:
                         raise WorkerLost(f"worker aborted the request: {fin.message or ''}")
                     lps = self._logprobs(s, chunk, worker)
                     if ids:
-                        now = self._on_tokens(s, worker, len(ids), chunk.meta_info.restored_tokens)
+                        now = self._on_tokens(s, worker, len(ids), self._restored(s, worker, chunk))
                         if prev_chunk_at is not None and self.monitor.measure_tokens:  # gray failures
                             self.monitor.observe_tokens(
                                 worker.id, worker.incarnation, len(ids), now - prev_chunk_at
@@ -325,6 +331,18 @@ class SessionManager:
             if sglang and s.finish_reason is None and isinstance(body, SGLangGenerate):
                 # closing the stream is not enough for every SGLang deployment: abort it by rid
                 self._abort_on(worker, body.rid)
+
+    @staticmethod
+    def _restored(s: Session, worker: WorkerRecord, chunk: GenerateChunk) -> int:
+        """Prompt tokens this attempt restored instead of recomputing. SGLang reports no such count:
+        on a resume dispatched to a checkpoint holder its `cached_tokens` (HiCache hits on the pages
+        Lumen's backend holds, plus radix-cache hits) stands for it."""
+        if worker.engine is not EngineKind.SGLANG:
+            return chunk.meta_info.restored_tokens
+        it = s.interruptions[-1] if s.interruptions else None
+        if it is not None and it.resumed_at is None and it.action == "restore":
+            return chunk.meta_info.cached_tokens
+        return 0
 
     @staticmethod
     def _logprobs(s: Session, chunk: GenerateChunk, worker: WorkerRecord) -> tuple[TokenLogprob, ...]:

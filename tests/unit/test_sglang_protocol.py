@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from gateway.protocol.generate import (
     GenerateChunk,
     GenerateRequest,
+    HolderRef,
     LumenExt,
     MetaInfo,
     SamplingParams,
@@ -27,6 +28,7 @@ from gateway.protocol.sglang import (
     SGLangAbort,
     SGLangVerifyMeta,
     SGLangVerifyResponse,
+    parse_kv_hints,
     sglang_rid,
     sglang_seed,
     to_sglang,
@@ -150,3 +152,19 @@ def test_verify_body_asks_for_the_top1_of_every_draft_position() -> None:
 def test_a_streaming_request_says_so() -> None:
     """SGLang's default is not to stream: `stream: true` must be on the wire."""
     assert json.loads(encode(to_sglang(_req(temperature=0.0), seed_base=None)))["stream"] is True
+
+
+def test_holders_become_kv_hints_that_pass_sglangs_contract() -> None:
+    req = GenerateRequest(
+        rid="req-9-1",
+        input_ids=[1, 2, 3],
+        sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0),
+        lumen=LumenExt(epoch=7, checkpoint=[HolderRef(worker_id="sg1", kv_endpoint="tcp://10.0.0.2:7000")]),
+    )
+    body = json.loads(encode(to_sglang(req, seed_base=None, epoch=7, src_worker="sg0")))
+    api_types.GenerateRequest.from_json_value(body)
+    ck = parse_kv_hints(body["kv_hints"])
+    assert ck is not None and ck.rid == body["rid"] and ck.epoch == 7 and ck.src_worker == "sg0"
+    assert [(h.worker_id, h.kv_endpoint) for h in ck.holders] == [("sg1", "tcp://10.0.0.2:7000")]
+    # no holders, or no serving worker named: no hints at all
+    assert "kv_hints" not in json.loads(encode(to_sglang(_req(temperature=0.0), seed_base=None)))
