@@ -4,12 +4,19 @@ Per step: `t = overhead + max(FLOPs / (peak·mfu), bytes / (hbm_bw·mbu)) + tp_c
 FLOPs ≈ 2·params·tokens + attention and bytes = weights + KV read/written. Every constant says where it
 comes from; the H100 figures are the vendor's and the effective ones DESIGN.md starts from, to be
 recalibrated from the torch engine on a real GPU.
+
+A restart reloads the full weights from one of two sources (`ReloadSource`, issue 14): its own
+storage (`disk`: weight_bytes / (load_bw·tp)) or a running survivor of the same model and TP (`peer`,
+SGLang's `--load-format remote_instance`: each TP rank receives its shard from the seed's matching
+rank over GPUDirect RDMA, weight_bytes / (peer_bw·tp)); either way plus the engine start-up. While
+a seed sends, its own steps are `seed_slowdown()` times slower.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 GiB = 1024**3
 KiB = 1024
@@ -27,6 +34,9 @@ class GpuSpec:
     h2d_bw: float  # host -> device, bytes/s
     load_bw: float  # weight loading from storage, bytes/s (assumed: local NVMe / network FS)
     tp_allreduce_s: float  # per all-reduce latency inside a TP group (NVLink), seconds
+    # GPU -> GPU across nodes (GPUDirect RDMA over the GPU's own NIC), bytes/s per GPU: what a
+    # restarting server's rank receives its weight shard at from a seed's matching rank
+    peer_bw: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +55,21 @@ class ModelSpec:
         return int(self.params * self.bytes_per_param)
 
 
+# A 400 Gb/s-class NIC per GPU (DGX H100 and DGX H200: eight ConnectX-7 400 Gb/s InfiniBand NDR
+# ports, one per GPU, for the compute fabric) is 50 GB/s line rate; RDMA reaches ~90% of it
+# (assumed), so 45 GB/s per GPU between a seed's rank and the restarting server's.
+PEER_BW_400G = 45e9
+
+
+class ReloadSource(StrEnum):
+    """Where a restarting server's full weights come from."""
+
+    DISK = "disk"  # its own storage (local NVMe / network FS) at load_bw per GPU
+    PEER = "peer"  # a running survivor of the same model and TP (the seed) at peer_bw per GPU
+
+
+RELOAD_SOURCES: tuple[str, ...] = tuple(ReloadSource)
+
 GPUS: dict[str, GpuSpec] = {
     # H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s; effective ~700 TFLOP/s and ~2.85 TB/s (DESIGN 7)
     "H100-80G": GpuSpec(
@@ -58,6 +83,7 @@ GPUS: dict[str, GpuSpec] = {
         h2d_bw=35e9,
         load_bw=2.0e9,
         tp_allreduce_s=12e-6,
+        peer_bw=PEER_BW_400G,
     ),
     # H200: same compute as H100, 141 GB HBM3e at 4.8 TB/s
     "H200": GpuSpec(
@@ -71,6 +97,7 @@ GPUS: dict[str, GpuSpec] = {
         h2d_bw=35e9,
         load_bw=2.0e9,
         tp_allreduce_s=12e-6,
+        peer_bw=PEER_BW_400G,
     ),
 }
 
@@ -178,6 +205,33 @@ class CostModel:
     def offload_time(self, tokens: int) -> float:
         return self.kv_bytes(tokens) / (self.gpu.d2h_bw * self.tp)
 
-    def load_time(self, engine_startup_s: float = ENGINE_STARTUP_S) -> float:
-        """Weights from storage into HBM (sharded over TP ranks loading in parallel) + engine start-up."""
-        return self.model.weight_bytes / (self.gpu.load_bw * self.tp) + engine_startup_s
+    def weights_time(self, source: ReloadSource = ReloadSource.DISK, peer_bw: float | None = None) -> float:
+        """The full weights into HBM, sharded over TP ranks loading in parallel: from storage (`disk`),
+        or each rank from a seed's matching rank (`peer`, at `peer_bw`, default the GPU's)."""
+        if source == ReloadSource.PEER:
+            bw = self.gpu.peer_bw if peer_bw is None else peer_bw
+        else:
+            bw = self.gpu.load_bw
+        return self.model.weight_bytes / (bw * self.tp)
+
+    def load_time(
+        self,
+        engine_startup_s: float = ENGINE_STARTUP_S,
+        source: ReloadSource = ReloadSource.DISK,
+        peer_bw: float | None = None,
+    ) -> float:
+        """A (re)start until the engine serves: the weights (`weights_time`) + engine start-up."""
+        return self.weights_time(source, peer_bw) + engine_startup_s
+
+    def seed_slowdown(self, peer_bw: float | None = None) -> float:
+        """The factor on a seed's step times while it streams its weights to a restarting server.
+
+        The NIC reads the seed's HBM at `peer_bw` (GPUDirect RDMA; with SGLang's TransferEngine
+        backend no kernel runs on the seed), and a decode step is bound by HBM bandwidth, so the
+        step slows by the share of that bandwidth the transfer takes: 1 + peer_bw / (hbm_bw·mbu)
+        (1.016 on H100, 1.011 on H200). A simple bound, applied to every step, compute-bound
+        prefill included. SGLang's NCCL backend also runs send kernels on the seed and sets up a
+        communicator first, which disturbs serving more: a shell models that with a larger factor.
+        """
+        bw = self.gpu.peer_bw if peer_bw is None else peer_bw
+        return 1.0 + bw / (self.gpu.hbm_bw * self.gpu.mbu)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gateway.core.costmodel import RELOAD_SOURCES, ReloadSource
 from gateway.core.modes import EVALUATION_MODES, MODES
 from gateway.sim.scenario import ScenarioError, load_scenario, scenario_names
 
@@ -46,6 +47,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--duration", type=float, help="workload duration in simulated seconds (default: the scenario's)"
     )
     p.add_argument("--rate", type=float, help="total arrival rate in requests/s (default: the scenario's)")
+    p.add_argument(
+        "--reload",
+        choices=RELOAD_SOURCES,
+        help="where a restart's full weights come from: disk, or a seed survivor (default: the scenario's)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
 
@@ -86,7 +92,8 @@ def _scenario(args: argparse.Namespace) -> Any:
         if value is not None and not value > 0:
             print(f"lumen: {flag} must be > 0", file=sys.stderr)
             raise SystemExit(2)
-    return with_overrides(scenario, args.duration, args.rate)
+    reload = None if args.reload is None else ReloadSource(args.reload)
+    return with_overrides(scenario, args.duration, args.rate, reload)
 
 
 def _plots(fn: Any, *a: Any) -> None:

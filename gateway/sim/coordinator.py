@@ -16,6 +16,7 @@ is the smaller of what the bulk transfer has moved and the full pages produced b
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import Decision, DispatchParams, InterruptedRequest, dispatch
@@ -23,6 +24,7 @@ from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.modes import RecoveryPolicy
 from gateway.core.pairing import PairingParams, pair_drafters
+from gateway.core.reload import choose_seed
 from gateway.core.router import choose_worker, routing_params
 from gateway.core.speculation import choose_k, expected_tokens_per_step
 from gateway.core.types import ClusterView, LoadParams, WorkerView
@@ -255,6 +257,13 @@ class Coordinator:
         self.restored_tokens += restored
         self.start(r, target, now, restored)
         return True
+
+    # -- seeded reload ----------------------------------------------------------------------------------
+    def choose_seed(self, w: SimWorker, busy: Collection[str]) -> SimWorker | None:
+        """The survivor restarting `w` loads its weights from (every simulated worker serves the same
+        model and TP), or None: from disk. `busy`: seeds already sending to another restart."""
+        wid = choose_seed(self.view(), w.id, self.load, busy)
+        return None if wid is None else self.by_id[wid]
 
     # -- draft assist (Algorithm 3) ---------------------------------------------------------------
     def repair(self, now: float) -> None:

@@ -16,9 +16,10 @@ STEP = 1  # a worker's step (or run of decode steps) ends; a = worker, b = the w
 RESTORED = 2  # a request's KV restore (host -> GPU) finished; a = worker, b = (request, incarnation)
 KILL = 3  # a failure of the scenario strikes; a = its index
 DETECT = 4  # the gateway detects failed workers; a = tuple of (worker, incarnation)
-PHASE = 5  # a restarting worker reaches a phase; a = worker, b = (incarnation, state)
+PHASE = 5  # a restarting worker reaches a phase; a = worker, b = (incarnation, state, reload or None)
 TICK = 6  # periodic sampling and draft-assist re-pairing
 GIVE_UP = 7  # a request that found no HEALTHY worker has waited long enough; a = request
+SEED = 8  # a seeded reload's transfer begins: the seed slows down; a = the reload (simulation._Reload)
 
 Event = tuple[float, int, int, Any, Any]
 

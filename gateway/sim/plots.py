@@ -28,7 +28,8 @@ def _mark_failure(ax: Any, at: float | None) -> None:
 
 
 def plot_report(report: ScenarioReport, out: Path, window_s: float = 2.0) -> list[Path]:
-    """ttft.png and queue.png (per mode over time, failure marked) and ckpt_load.png (per worker)."""
+    """ttft.png and queue.png (per mode over time, failure marked; on ttft.png a dashed line in a mode's
+    colour where its restarted worker serves again) and ckpt_load.png (per worker)."""
     plt = _pyplot()
     out.mkdir(parents=True, exist_ok=True)
     name = report.scenario.name
@@ -50,9 +51,13 @@ def plot_report(report: ScenarioReport, out: Path, window_s: float = 2.0) -> lis
         )
     for mode, run in report.runs.items():
         m = window_means(run.records, "ttft", 0.0, window_s)
-        ax.plot(
+        (line,) = ax.plot(
             np.arange(len(m)) * window_s, [np.nan if v is None else v for v in m], linewidth=1, label=mode
         )
+        # the recovery timeline: where each restarted worker served its full model again
+        for rl in run.stats.reloads:
+            if rl.serving_s is not None:
+                ax.axvline(rl.serving_s, color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.7)
     _mark_failure(ax, fail)
     ax.set(
         xlabel="arrival time (simulated s)",

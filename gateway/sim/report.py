@@ -19,6 +19,8 @@ COLUMNS = (
     ("impact_ttft_x_baseline", "x no-failure", "{:.2f}"),
     ("ttft_after_failure_s", "TTFT common window s", "{:.3f}"),
     ("ttft_after_failure_x_baseline", "x no-failure (common)", "{:.2f}"),
+    ("reload_source", "reload", "{}"),
+    ("reload_s", "reload s", "{:.1f}"),
     ("client_errors", "errors", "{}"),
     ("interrupted", "interrupted", "{}"),
     ("restores", "restores", "{}"),
@@ -64,6 +66,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"seed {summary['seed']}, {summary['requests']} requests over {summary['duration_s']:g} s"
         + (f" at {summary['rate_rps']} req/s" if summary.get("rate_rps") else "")
         + (f", failure at {summary['failure_at_s']:g} s" if summary.get("failure_at_s") is not None else "")
+        + (f", restarts reload from {summary['reload']}" if summary.get("reload") else "")
         + f"; simulated (virtual) time, {summary['runs']} runs in {summary['wall_s']:.1f} s wall.",
         "",
         "| mode | " + " | ".join(h for _, h, _ in COLUMNS) + " |",

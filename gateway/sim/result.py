@@ -16,6 +16,28 @@ Sample = tuple[float, list[int], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
+class Reload:
+    """One restart's reload, on the recovery timeline (simulated seconds)."""
+
+    worker: str
+    incarnation: int  # the new incarnation that loads
+    started_s: float  # the restart began (the failure was detected)
+    # "disk", "peer", or "peer>disk" (the seed was lost before or during the transfer: the rest of
+    # the weights came from disk)
+    source: str
+    seed: str | None  # the survivor the weights came (or were to come) from
+    draft_first: bool  # loaded its draft model first (progressive recovery) and drafted meanwhile
+    draft_ready_s: float | None  # when it became DRAFT_READY (absolute)
+    serving_s: float | None  # when the full model served (absolute); None: killed while loading
+    transfer_s: float  # seconds the seed streamed weights (0 from disk)
+
+    @property
+    def reload_s(self) -> float | None:
+        """Restart to serving with the full model."""
+        return None if self.serving_s is None else self.serving_s - self.started_s
+
+
+@dataclass(frozen=True, slots=True)
 class RunStats:
     restores: int
     replays: int
@@ -27,6 +49,7 @@ class RunStats:
     pairings: int
     events: int
     degradations: int = 0  # gray-failure verdicts (workers marked DEGRADED)
+    reloads: tuple[Reload, ...] = ()  # every restart's reload, in the order they began
 
 
 @dataclass(frozen=True, slots=True)

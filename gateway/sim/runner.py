@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from gateway.core import evaluation as ev
+from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.sim.result import RunResult
 from gateway.sim.scenario import SCENARIO_DIR, Scenario
@@ -93,6 +94,7 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         base_impact = ev.failure_impact(ref, fail, robust)
     o = ev.outcomes(recs)
     s = run.stats
+    reload_s = [x for x in (rl.reload_s for rl in s.reloads) if x is not None]
     out.update(
         recovery_time_s=_r(rec_ttft, 2),
         recovery_time_tpot_s=_r(rec_tpot, 2),
@@ -118,6 +120,23 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         draft_k_mean=_r(s.draft_k_mean, 2),
         draft_pairings=s.pairings,
         degradations=s.degradations,
+        # the recovery timeline's reloads: where the weights came from and restart -> serving seconds
+        reload_source="/".join(sorted({rl.source for rl in s.reloads})) or None,
+        reload_s=_r(ev.mean(reload_s), 2),
+        reloads=[
+            {
+                "worker": rl.worker,
+                "source": rl.source,
+                "seed": rl.seed,
+                "started_s": _r(rl.started_s, 3),
+                "draft_first": rl.draft_first,
+                "draft_ready_s": _r(rl.draft_ready_s, 3),
+                "serving_s": _r(rl.serving_s, 3),
+                "reload_s": _r(rl.reload_s, 3),
+                "transfer_s": _r(rl.transfer_s, 3),
+            }
+            for rl in s.reloads
+        ],
         simulated_s=round(run.simulated_s, 2),
         events=s.events,
     )
@@ -150,6 +169,7 @@ class ScenarioReport:
             "requests": self.requests,
             "duration_s": s.workload.duration_s,
             "failure_at_s": s.failure_at,
+            "reload": s.recovery.reload.value,
             "simulated_s": round(max((r.simulated_s for r in runs), default=0.0), 2),
             "wall_s": round(self.wall_s, 2),
             "runs": len(runs),
@@ -186,9 +206,15 @@ def common_window(report: ScenarioReport) -> None:
 
 
 def with_overrides(
-    scenario: Scenario, duration_s: float | None = None, rate: float | None = None
+    scenario: Scenario,
+    duration_s: float | None = None,
+    rate: float | None = None,
+    reload: ReloadSource | None = None,
 ) -> Scenario:
-    """The scenario with another workload duration and/or total arrival rate (synthetic source)."""
+    """The scenario with another workload duration and/or total arrival rate (synthetic source), and/or
+    another reload source for restarts."""
+    if reload is not None:
+        scenario = replace(scenario, recovery=replace(scenario.recovery, reload=ReloadSource(reload)))
     w = scenario.workload
     if duration_s is not None:
         w = replace(w, duration_s=duration_s)

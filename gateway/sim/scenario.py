@@ -17,7 +17,7 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 
 from gateway.config.convert import build
-from gateway.core.costmodel import GPUS, MODELS
+from gateway.core.costmodel import GPUS, MODELS, ReloadSource
 from gateway.core.dispatch import DispatchParams, ThetaMode
 from gateway.core.gray import GrayParams
 from gateway.core.holders import HolderParams, ring_key
@@ -51,6 +51,11 @@ class ClusterSpec:
     network_bw: float = 25e9  # bytes/s between workers (checkpoint pages); 200 Gb/s
     model_load_s: float = -1.0  # full model reload; < 0: from the cost model
     draft_load_s: float = -1.0  # draft model load (with engine start-up); < 0: from the cost model
+    # seeded reload (recovery.reload = "peer"): GPU -> GPU bandwidth per GPU between a seed and the
+    # restarting server (0: the GPU preset's `peer_bw`), and the whole reload from a seed, start-up
+    # included (< 0: from the cost model; model_load_s overrides only the disk reload)
+    peer_bw: float = 0.0
+    peer_load_s: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +98,11 @@ class RecoverySpec:
     exclude_failure_domain: bool = _HOLDERS.exclude_failure_domain
     service_steps: int = _DISPATCH.service_steps
     no_worker_wait_s: float = 5.0
+    # where a restart's full weights come from: its own storage, or a seed survivor (gateway.core.reload;
+    # falls back to disk when no survivor qualifies or the seed is lost mid-transfer)
+    reload: ReloadSource = ReloadSource.DISK
+    # step-time factor on a seed while it sends (0: the cost model's `seed_slowdown`, ~1.016 on H100)
+    seed_slowdown: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +215,11 @@ def validate(s: Scenario) -> None:
         ),
         (c.kv_capacity_tokens >= 0 and c.ckpt_budget_bytes >= 0, "cluster capacities must be >= 0"),
         (c.network_bw > 0, "cluster.network_bw must be > 0"),
+        (c.peer_bw >= 0, "cluster.peer_bw must be >= 0 (0: the GPU preset's)"),
+        (
+            r.seed_slowdown == 0 or r.seed_slowdown >= 1,
+            "recovery.seed_slowdown must be 0 (the cost model's) or >= 1",
+        ),
         (w.source == "trace" or s.rate > 0, "workload: set rate or rate_per_worker (> 0)"),
         (w.source == "synthetic" or w.trace != "", "workload.trace: a trace source needs a path"),
         (

@@ -9,13 +9,24 @@ request (or, in mode `none`, fails it), and restarts the worker as a new incarna
 loads the full model (`load_time`), or with draft assist the draft model first (DRAFT_READY: it
 drafts for the survivor Algorithm 3 picks) and then the full weights with no second engine start.
 A `slow` failure multiplies one worker's step times without killing it (a gray failure).
+
+Seeded reload (`recovery.reload = "peer"`, issue 14): when the restart is launched, the core picks a
+seed survivor (`gateway.core.reload.choose_seed`: HEALTHY, not sending to another restart, least
+`L̂`, ties by id) and the full weights come from it at `peer_bw` per GPU instead of from disk; no
+seed: disk. The transfer is the last part of the load, ending when the full model serves, and for
+its duration the seed's steps are `seed_slowdown` times slower. The draft model always comes from
+disk (no survivor holds it: survivors serve only the target), and a restart loads it first only if
+it would be ready before the full model (`draft_first`), which a seeded full model usually beats. A
+seed lost before or during its transfer makes the restart load the weights from disk from then on
+(no second engine start-up: optimistic for SGLang, whose failed load would restart the process).
+Every reload is recorded (`result.Reload`): source, seed, phases, seconds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.core.costmodel import CostModel
+from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import checkpoint_coverage, holder_balance
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
@@ -23,18 +34,62 @@ from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
 from gateway.core.pairing import PairingParams
+from gateway.core.reload import draft_first
 from gateway.core.types import LoadParams
 from gateway.sim import events as ev
 from gateway.sim.coordinator import Coordinator, lag_per_token
 from gateway.sim.events import EventQueue
 from gateway.sim.request import SimRequest
-from gateway.sim.result import RunResult, RunStats, Sample
+from gateway.sim.result import Reload, RunResult, RunStats, Sample
 from gateway.sim.scenario import FailureSpec, Scenario
 from gateway.sim.stepcost import StepCost
 from gateway.sim.worker import SimWorker
 from gateway.sim.workload import Workload
 
 S = WorkerState
+
+
+class _Reload:
+    """A restart's reload as it happens (`result.Reload` once the run ends)."""
+
+    __slots__ = (
+        "draft_first",
+        "draft_ready_s",
+        "gen",
+        "incarnation",
+        "seed",
+        "serving_s",
+        "slowing",
+        "source",
+        "started_s",
+        "transfer_s",
+        "transfer_start",
+        "worker",
+    )
+
+    def __init__(self, worker: SimWorker, now: float, seed: SimWorker | None, first: bool) -> None:
+        self.worker, self.incarnation, self.started_s = worker, worker.incarnation, now
+        self.seed, self.draft_first = seed, first
+        self.source = ReloadSource.PEER.value if seed is not None else ReloadSource.DISK.value
+        self.draft_ready_s: float | None = None
+        self.serving_s: float | None = None
+        self.transfer_s = 0.0
+        self.transfer_start = now
+        self.slowing = False  # the seed's steps are slowed now
+        self.gen = 0  # the HEALTHY event of this generation is the live one (a fallback moves it)
+
+    def record(self) -> Reload:
+        return Reload(
+            self.worker.id,
+            self.incarnation,
+            self.started_s,
+            self.source,
+            None if self.seed is None else self.seed.id,
+            self.draft_first,
+            self.draft_ready_s,
+            self.serving_s,
+            self.transfer_s,
+        )
 
 
 class Simulation:
@@ -48,6 +103,19 @@ class Simulation:
         self.full_load_s = c.model_load_s if c.model_load_s >= 0 else self.cost.load_time()
         self.draft_load_s = c.draft_load_s if c.draft_load_s >= 0 else draft_cost.load_time()
         self.weights_load_s = self.cost.load_time(engine_startup_s=0.0)  # after the draft: no restart
+        # seeded reload: the same with the weights from a survivor
+        self.reload_source = rec.reload
+        peer_bw = c.peer_bw or None
+        self.peer_weights_s = self.cost.weights_time(ReloadSource.PEER, peer_bw)
+        self.peer_load_s = (
+            c.peer_load_s
+            if c.peer_load_s >= 0
+            else self.cost.load_time(source=ReloadSource.PEER, peer_bw=peer_bw)
+        )
+        self.seed_slowdown = rec.seed_slowdown or self.cost.seed_slowdown(peer_bw)
+        self.reloads: list[_Reload] = []
+        self.reloading: dict[SimWorker, _Reload] = {}  # restarting worker -> its reload
+        self.sending: dict[SimWorker, _Reload] = {}  # seed -> the reload it is reserved for
         kv_capacity = c.kv_capacity_tokens or self.cost.kv_capacity_tokens()
         self.queue = EventQueue()
         step = StepCost(self.cost)
@@ -139,6 +207,8 @@ class Simulation:
             elif kind == ev.GIVE_UP and a in self.gw_waiting:
                 self.gw_waiting.remove(a)
                 self._fail(a, t)
+            elif kind == ev.SEED:
+                self._seed_sends(a, b, t)
             if progress is not None and not events & 4095:
                 progress(t)
         return self._result(events)
@@ -241,6 +311,8 @@ class Simulation:
             self.balance_taken = True
             self.balance = holder_balance(w.ckpt_tokens for w in self.workers if w.state is S.HEALTHY)
         dead = set(victims)
+        if self.reloading:
+            self._reloads_struck(victims, now)
         for w in victims:
             self.coord.freeze(w)
             tally: dict[str, int] = {}
@@ -296,17 +368,79 @@ class Simulation:
         for w in failed:
             w.restart()
             coord.set_state(w, S.RESTARTING)
-            if self.policy.draft_assist:
-                ready = now + self.draft_load_s
-                self.queue.push(ready, ev.PHASE, w, (w.incarnation, S.DRAFT_READY))
-                self.queue.push(ready + self.weights_load_s, ev.PHASE, w, (w.incarnation, S.HEALTHY))
-            else:
-                self.queue.push(now + self.full_load_s, ev.PHASE, w, (w.incarnation, S.HEALTHY))
+            self._start_reload(w, now)
 
-    def _phase(self, w: SimWorker, b: tuple[int, WorkerState], now: float) -> None:
-        incarnation, state = b
+    # -- reloads ------------------------------------------------------------------------------------
+    def _start_reload(self, w: SimWorker, now: float) -> None:
+        """Launch w's reload: its seed (peer reload) or disk, then its phases on the timeline."""
+        seed = None
+        if self.reload_source == ReloadSource.PEER:
+            seed = self.coord.choose_seed(w, [s.id for s in self.sending])
+        full = self.full_load_s if seed is None else self.peer_load_s
+        first = self.policy.draft_assist and draft_first(self.draft_load_s, full)
+        rl = _Reload(w, now, seed, first)
+        self.reloads.append(rl)
+        self.reloading[w] = rl
+        inc, q = w.incarnation, self.queue
+        if first:
+            ready = now + self.draft_load_s
+            q.push(ready, ev.PHASE, w, (inc, S.DRAFT_READY, rl, 0))
+            serving = ready + (self.weights_load_s if seed is None else self.peer_weights_s)
+        else:
+            serving = now + full
+        if seed is not None:
+            self.sending[seed] = rl
+            rl.transfer_s = min(self.peer_weights_s, serving - now)  # the weights come last
+            rl.transfer_start = serving - rl.transfer_s
+            q.push(rl.transfer_start, ev.SEED, rl, 0)
+        q.push(serving, ev.PHASE, w, (inc, S.HEALTHY, rl, 0))
+
+    def _seed_sends(self, rl: _Reload, gen: int, now: float) -> None:
+        seed = rl.seed
+        if rl.gen == gen and seed is not None and self.sending.get(seed) is rl and seed.alive:
+            rl.slowing = True
+            seed.set_send_slowdown(self.seed_slowdown, now)
+
+    def _end_transfer(self, rl: _Reload, now: float) -> None:
+        seed = rl.seed
+        if seed is not None and self.sending.get(seed) is rl:
+            del self.sending[seed]
+            if rl.slowing and seed.alive:
+                seed.set_send_slowdown(1.0, now)
+        rl.slowing = False
+
+    def _reloads_struck(self, victims: list[SimWorker], now: float) -> None:
+        """Kills among reloads: a killed restart frees its seed; a killed seed's restart falls back."""
+        for w in victims:
+            rl = self.reloading.pop(w, None)
+            if rl is not None:  # killed while loading: its events die with its incarnation
+                self._end_transfer(rl, now)
+        for w in victims:
+            rl = self.sending.pop(w, None)
+            if rl is None:
+                continue
+            # the transfer breaks (or never starts): the rest of the weights come from disk
+            rl.gen += 1
+            rl.slowing = False
+            rl.source = f"{ReloadSource.PEER.value}>{ReloadSource.DISK.value}"
+            rl.transfer_s = max(0.0, now - rl.transfer_start)
+            serving = max(now, rl.transfer_start) + self.weights_load_s
+            r = rl.worker
+            self.queue.push(serving, ev.PHASE, r, (rl.incarnation, S.HEALTHY, rl, rl.gen))
+
+    def _phase(self, w: SimWorker, b: tuple[int, WorkerState, _Reload, int], now: float) -> None:
+        incarnation, state, rl, gen = b
         if w.incarnation != incarnation or not w.alive:
             return
+        if state is S.HEALTHY:
+            if gen != rl.gen:
+                return  # superseded: the seed was lost, the weights come from disk later
+            rl.serving_s = now
+            self._end_transfer(rl, now)
+            if self.reloading.get(w) is rl:
+                del self.reloading[w]
+        elif state is S.DRAFT_READY:
+            rl.draft_ready_s = now
         self.coord.set_state(w, state)
         self.coord.repair(now)
         if state is S.HEALTHY and self.gw_waiting:
@@ -331,6 +465,7 @@ class Simulation:
             pairings=len(ks),
             events=events,
             degradations=self.degradations,
+            reloads=tuple(rl.record() for rl in self.reloads),
         )
         return RunResult.collect(
             self.requests, self.failures, self.now, [w.id for w in self.workers], self.samples, stats

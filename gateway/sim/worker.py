@@ -69,7 +69,11 @@ class SimWorker:
         self.dirty_sink: list[SimWorker] | None = None
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
+        # step-time factor in effect (`slow`): a slow fault's (`fault_slow`, a gray failure) times a
+        # seed's while it streams its weights to a restarting worker (`send_slow`)
         self.slow = 1.0
+        self.fault_slow = 1.0
+        self.send_slow = 1.0
         # the gateway's measurement of its time per token (gray failures), and when it was degraded
         self.per_token_s = 0.0
         self.per_token_at: float | None = None
@@ -134,7 +138,15 @@ class SimWorker:
         self.kick(now)
 
     def set_slowdown(self, factor: float, now: float) -> None:
-        self.pending_slow = factor
+        """A slow fault: every step `factor` times slower from the next step boundary."""
+        self.fault_slow = factor
+        self.pending_slow = factor * self.send_slow
+        self.kick(now)
+
+    def set_send_slowdown(self, factor: float, now: float) -> None:
+        """Sending weights to a restarting worker (a seed): steps `factor` times slower (1: done)."""
+        self.send_slow = factor
+        self.pending_slow = self.fault_slow * factor
         self.kick(now)
 
     def on_restored(self, r: SimRequest, now: float) -> None:
@@ -312,5 +324,5 @@ class SimWorker:
         self.alive = True
         self.mark_dirty()
         self.incarnation += 1
-        self.slow = 1.0
+        self.slow = self.fault_slow = self.send_slow = 1.0
         self._reset_engine()

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.core.costmodel import GPUS, MODELS, CostModel, StepWork
+from gateway.core.costmodel import ENGINE_STARTUP_S, GPUS, MODELS, CostModel, ReloadSource, StepWork
 
 KiB = 1024
 
@@ -67,3 +67,46 @@ def test_empty_step_costs_nothing_and_bad_presets_raise() -> None:
         CostModel.preset("GPT-5", "H100-80G")
     with pytest.raises(ValueError, match="tp must be"):
         CostModel(MODELS["Qwen3-8B"], GPUS["H100-80G"], 0)
+
+
+# -- reload sources (issue 14: seeded fast reload) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_disk_reload_is_weights_over_load_bandwidth_plus_startup(model: str, gpu: str) -> None:
+    cm = CostModel.preset(model, gpu)
+    g, tp = GPUS[gpu], cm.tp
+    disk = cm.model.weight_bytes / (g.load_bw * tp) + ENGINE_STARTUP_S
+    # the default is disk, bit for bit what it was before reload sources existed
+    assert cm.load_time() == cm.load_time(source=ReloadSource.DISK) == disk
+    assert cm.load_time(engine_startup_s=0.0) == cm.weights_time() == cm.model.weight_bytes / (g.load_bw * tp)
+    peer = cm.model.weight_bytes / (g.peer_bw * tp) + ENGINE_STARTUP_S
+    assert cm.load_time(source=ReloadSource.PEER) == pytest.approx(peer, rel=1e-12)
+    # a seed's NIC is faster than storage for every preset, so a seeded reload is shorter
+    assert cm.load_time(source=ReloadSource.PEER) < cm.load_time()
+
+
+def test_reload_times_for_qwen3_32b_tp2_on_h100() -> None:
+    cm = CostModel.preset("Qwen3-32B", "H100-80G")  # TP 2: 65.6 GB, 32.8 GB per rank
+    assert cm.weights_time() == pytest.approx(16.4)  # 2 GB/s per GPU from storage
+    assert cm.weights_time(ReloadSource.PEER) == pytest.approx(65.6e9 / 90e9)  # 45 GB/s per GPU: 0.73 s
+    assert cm.load_time() == pytest.approx(36.4)
+    assert cm.load_time(source=ReloadSource.PEER) == pytest.approx(20.73, abs=0.01)
+    # another interconnect: 100 Gb/s-class NICs (~11.25 GB/s per GPU)
+    assert cm.weights_time(ReloadSource.PEER, peer_bw=11.25e9) == pytest.approx(65.6e9 / 22.5e9)
+    # TP ranks load their shards in parallel, from either source
+    tp4 = CostModel.preset("Qwen3-32B", "H100-80G", tp=4)
+    for source in ReloadSource:
+        assert tp4.weights_time(source) == pytest.approx(cm.weights_time(source) / 2)
+    # the strings of a scenario or config name the same sources
+    assert cm.weights_time(ReloadSource("peer")) == cm.weights_time(ReloadSource.PEER)
+
+
+def test_seed_slowdown_is_the_transfers_share_of_hbm_bandwidth() -> None:
+    h100 = CostModel.preset("Qwen3-32B", "H100-80G")
+    assert h100.seed_slowdown() == pytest.approx(1 + 45e9 / (3.35e12 * 0.85))
+    assert 1.01 < h100.seed_slowdown() < 1.02  # small: the seed barely notices
+    assert 1.0 < CostModel.preset("Qwen3-32B", "H200").seed_slowdown() < h100.seed_slowdown()
+    assert h100.seed_slowdown(peer_bw=0.0) == 1.0
+    assert h100.seed_slowdown(peer_bw=90e9) > h100.seed_slowdown()

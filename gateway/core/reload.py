@@ -1,0 +1,58 @@
+"""Seeded fast reload (issue 14): which survivor a restarting server loads its weights from.
+
+A restarting SGLang server can load its full weights from a running server of the same model and
+tensor parallelism (`--load-format remote_instance`: each TP rank receives its shard from the seed's
+matching rank over NCCL or a transfer engine) instead of from its own storage. The gateway picks the
+seed when it launches the restart (the seed's address is a launch argument):
+
+- Eligible: HEALTHY (serving) workers other than the restarting one, not already sending to another
+  restart (`busy`: SGLang's seed serves one destination at a time), and, when `deployment` is given,
+  with the restarting worker's deployment key (model and TP; a worker without a key never qualifies).
+- The least loaded by the recovery-load estimate `L̂` (the `LoadParams` given), ties by id: sending
+  weights slows the seed a little, and the least loaded has the most room for it.
+- None qualifies: None, and the restart loads from its own storage (the `disk` fallback).
+
+`draft_first` is the progressive-recovery rule a restart follows once its sources are known: a draft
+model is worth loading first only if it is ready before the full model would be.
+
+Both are pure: the result depends on the view's contents only, not on the order of the view, of
+`busy`, or of `deployment`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from gateway.core.health import WorkerState
+from gateway.core.load import load_table
+from gateway.core.types import ClusterView, LoadParams, WorkerId
+
+
+def choose_seed(
+    view: ClusterView,
+    restarting: WorkerId,
+    params: LoadParams,
+    busy: Collection[WorkerId] = (),
+    deployment: Mapping[WorkerId, str] | None = None,
+) -> WorkerId | None:
+    """The seed `restarting` loads its weights from, or None (load from disk); see the module doc."""
+    want: str | None = None
+    if deployment is not None:
+        want = deployment.get(restarting)
+        if want is None:
+            return None  # a restart of unknown deployment cannot be matched with a seed
+    workers = view.workers
+    for _, wid in load_table(view, params).ranked:  # serving workers by (L̂, id), lowest first
+        if wid == restarting or wid in busy or workers[wid].state is not WorkerState.HEALTHY:
+            continue
+        if deployment is not None and deployment.get(wid) != want:
+            continue
+        return wid
+    return None
+
+
+def draft_first(draft_ready_s: float, full_ready_s: float) -> bool:
+    """Whether a restart loads its draft model first (and drafts until the full model is in): only if
+    the draft would be ready before the full model, the rule Lumen's worker follows too
+    (`worker_hooks/engine/loading.py`). A full model seeded from a peer usually arrives first."""
+    return draft_ready_s < full_ready_s
