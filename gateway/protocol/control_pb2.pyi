@@ -23,7 +23,7 @@ SERVING: Phase
 DRAINING: Phase
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "incarnation", "model", "draft_model", "http_url", "kv_endpoint", "draft_endpoint", "kv_capacity_tokens", "ckpt_budget_bytes", "failure_domain", "auth_token", "page_size", "pid", "max_running_requests", "phase", "engine")
+    __slots__ = ("protocol_version", "worker_id", "incarnation", "model", "draft_model", "http_url", "kv_endpoint", "draft_endpoint", "kv_capacity_tokens", "ckpt_budget_bytes", "failure_domain", "auth_token", "page_size", "pid", "max_running_requests", "phase", "engine", "tp", "awaiting_seed")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class Hello(_message.Message):
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_SEED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     incarnation: int
@@ -58,7 +60,9 @@ class Hello(_message.Message):
     max_running_requests: int
     phase: Phase
     engine: str
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., draft_model: _Optional[str] = ..., http_url: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., draft_endpoint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ckpt_budget_bytes: _Optional[int] = ..., failure_domain: _Optional[str] = ..., auth_token: _Optional[str] = ..., page_size: _Optional[int] = ..., pid: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., engine: _Optional[str] = ...) -> None: ...
+    tp: int
+    awaiting_seed: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., draft_model: _Optional[str] = ..., http_url: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., draft_endpoint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ckpt_budget_bytes: _Optional[int] = ..., failure_domain: _Optional[str] = ..., auth_token: _Optional[str] = ..., page_size: _Optional[int] = ..., pid: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., engine: _Optional[str] = ..., tp: _Optional[int] = ..., awaiting_seed: _Optional[bool] = ...) -> None: ...
 
 class DurableTokens(_message.Message):
     __slots__ = ("rid", "tokens")
@@ -79,7 +83,7 @@ class DraftStats(_message.Message):
     def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total", "ckpt_bytes_sent_total", "ckpt_pages_evicted_total", "restores_total")
+    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total", "ckpt_bytes_sent_total", "ckpt_pages_evicted_total", "restores_total", "reload_seconds", "reload_source", "reload_seed", "awaiting_seed")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +99,10 @@ class Heartbeat(_message.Message):
     CKPT_BYTES_SENT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CKPT_PAGES_EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RESTORES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_SEED_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_SEED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     phase: Phase
     running: int
@@ -110,7 +118,11 @@ class Heartbeat(_message.Message):
     ckpt_bytes_sent_total: int
     ckpt_pages_evicted_total: int
     restores_total: int
-    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ..., ckpt_bytes_sent_total: _Optional[int] = ..., ckpt_pages_evicted_total: _Optional[int] = ..., restores_total: _Optional[int] = ...) -> None: ...
+    reload_seconds: float
+    reload_source: str
+    reload_seed: str
+    awaiting_seed: bool
+    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ..., ckpt_bytes_sent_total: _Optional[int] = ..., ckpt_pages_evicted_total: _Optional[int] = ..., restores_total: _Optional[int] = ..., reload_seconds: _Optional[float] = ..., reload_source: _Optional[str] = ..., reload_seed: _Optional[str] = ..., awaiting_seed: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "heartbeat")
@@ -180,8 +192,16 @@ class Drain(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReloadFrom(_message.Message):
+    __slots__ = ("seed_worker_id", "seed_url")
+    SEED_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_URL_FIELD_NUMBER: _ClassVar[int]
+    seed_worker_id: str
+    seed_url: str
+    def __init__(self, seed_worker_id: _Optional[str] = ..., seed_url: _Optional[str] = ...) -> None: ...
+
 class GatewayMessage(_message.Message):
-    __slots__ = ("incarnation", "welcome", "refuse", "assign_holder", "drop_checkpoint", "start_draft_assist", "stop_draft_assist", "drain")
+    __slots__ = ("incarnation", "welcome", "refuse", "assign_holder", "drop_checkpoint", "start_draft_assist", "stop_draft_assist", "drain", "reload_from")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     REFUSE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +210,7 @@ class GatewayMessage(_message.Message):
     START_DRAFT_ASSIST_FIELD_NUMBER: _ClassVar[int]
     STOP_DRAFT_ASSIST_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_FROM_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     welcome: Welcome
     refuse: Refuse
@@ -198,4 +219,5 @@ class GatewayMessage(_message.Message):
     start_draft_assist: StartDraftAssist
     stop_draft_assist: StopDraftAssist
     drain: Drain
-    def __init__(self, incarnation: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., assign_holder: _Optional[_Union[AssignHolder, _Mapping]] = ..., drop_checkpoint: _Optional[_Union[DropCheckpoint, _Mapping]] = ..., start_draft_assist: _Optional[_Union[StartDraftAssist, _Mapping]] = ..., stop_draft_assist: _Optional[_Union[StopDraftAssist, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    reload_from: ReloadFrom
+    def __init__(self, incarnation: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., assign_holder: _Optional[_Union[AssignHolder, _Mapping]] = ..., drop_checkpoint: _Optional[_Union[DropCheckpoint, _Mapping]] = ..., start_draft_assist: _Optional[_Union[StartDraftAssist, _Mapping]] = ..., stop_draft_assist: _Optional[_Union[StopDraftAssist, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., reload_from: _Optional[_Union[ReloadFrom, _Mapping]] = ...) -> None: ...

@@ -95,6 +95,15 @@ class AdminAPI:
                     # the gateway's measured decode speed on this worker (gray-failure verdicts)
                     "per_token_ms": round(1000 * w.per_token_s, 2) if w.per_token_at is not None else None,
                     "failure_domain": w.failure_domain,
+                    "tp": w.tp,
+                    # the reload this incarnation reported (an SGLang agent's relaunch), if any
+                    "reload": None
+                    if w.reload_seconds is None
+                    else {
+                        "seconds": round(w.reload_seconds, 4),
+                        "source": w.reload_source,
+                        "seed": w.reload_seed,
+                    },
                 }
             )
         return web.json_response(out)

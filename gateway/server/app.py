@@ -29,6 +29,7 @@ from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
+from gateway.server.recovery.reload import ReloadCoordinator
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
@@ -56,6 +57,10 @@ class Gateway:
         )
         self.load_params = LoadParams(
             alpha=config.load.alpha, beta=config.load.beta, nominal_batch=config.engine.max_running_requests
+        )
+        # restarting SGLang servers reload their weights from a survivor (seeded fast reload)
+        self.reload = ReloadCoordinator(
+            monitor=self.monitor, control=self.control, load_params=self.load_params, metrics=self.metrics
         )
         self.tokenizer = make_tokenizer(config.tokenizer)
         self.policy = recovery_policy(config)

@@ -102,6 +102,19 @@ class GatewayMetrics:
             ["target", "outcome"],
             registry=r,
         )
+        self.reload_seconds = Histogram(
+            "lumen_reload_seconds",
+            "A restarted server's reload, from its exit to ready, by where its weights came from",
+            ["source"],
+            buckets=(0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.reload_seeds = Counter(
+            "lumen_reload_seed_choices",
+            "Restarting servers offered a seed to reload from, or none (they load from storage)",
+            ["outcome"],
+            registry=r,
+        )
         self.workers = Gauge("lumen_workers", "Workers by state", ["state"], registry=r)
 
     def render(self) -> bytes:

@@ -7,13 +7,20 @@ import sys
 import pytest
 
 from gateway.cluster.sglang import SGLangLaunch, agent_specs, gpu_groups
+from worker_hooks.sglang.__main__ import parse
+from worker_hooks.sglang.agent import SidecarConfig
 from worker_hooks.sglang.launcher import (
     LAUNCHER_ENV,
+    WEIGHTS_GROUP_PORT_DELTA,
     LaunchError,
     launcher_prefix,
+    remote_instance_args,
+    seeded_command,
     server_args,
     server_command,
     sglang_installed,
+    tp_of,
+    weights_group_ports,
 )
 
 URL = "http://127.0.0.1:30000"
@@ -90,3 +97,85 @@ def test_each_agent_launches_one_server_on_its_own_gpus() -> None:
     bare = agent_specs(SGLangLaunch(model="m", workers=3), "h:1", default_workers=7, restart=False)
     assert [s.gpus for s in bare] == [None] * 3 and all("--no-restart" in s.argv for s in bare)
     assert len({s.url for s in bare}) == 3
+
+
+# -- seeded reload: SGLang's remote-instance flags ----------------------------------------------------
+
+
+def test_a_seeded_launch_names_the_seed_and_one_group_port_per_tp_rank() -> None:
+    assert remote_instance_args("http://10.0.0.2:30000", [30500, 30501], 2) == [
+        "--load-format", "remote_instance",
+        "--remote-instance-weight-loader-seed-instance-ip", "10.0.0.2",
+        "--remote-instance-weight-loader-seed-instance-service-port", "30000",
+        "--remote-instance-weight-loader-send-weights-group-ports", "[30500,30501]",
+        "--remote-instance-weight-loader-backend", "nccl",
+    ]  # fmt: skip
+    # extra ports (a list sized for a larger TP) are cut to one per rank
+    assert "[7,8]" in remote_instance_args("http://h:1", [7, 8, 9], 2)
+
+
+@pytest.mark.parametrize(
+    ("seed_url", "ports", "tp", "needle"),
+    [
+        ("http://h", [1], 1, "seed url"),
+        ("h:30000", [1], 1, "seed url"),
+        ("http://h:1", [5], 2, "1 weight-transfer group port"),
+        ("http://h:1", [0], 1, "out of range"),
+        ("http://h:1", [70000], 1, "out of range"),
+    ],
+)
+def test_seeded_launch_settings_sglang_would_ignore_are_refused(
+    seed_url: str, ports: list[int], tp: int, needle: str
+) -> None:
+    """SGLang quietly loads from storage when the settings are incomplete: refuse them here instead."""
+    with pytest.raises(LaunchError, match=needle):
+        remote_instance_args(seed_url, ports, tp)
+
+
+def test_the_seeded_command_replaces_any_load_format_of_its_own() -> None:
+    disk = server_command(URL, ["--model-path", "m", "--load-format=dummy"], {LAUNCHER_ENV: "launch"})
+    seeded = seeded_command(
+        [*disk, "--remote-instance-weight-loader-seed-instance-ip", "old"], "http://10.0.0.9:31000", [1], 1
+    )
+    assert seeded[: seeded.index("--load-format")] == [a for a in disk if a != "--load-format=dummy"]
+    assert seeded.count("--load-format") == 1 and "old" not in seeded and "--load-format=dummy" not in seeded
+    assert seeded[seeded.index("--remote-instance-weight-loader-seed-instance-ip") + 1] == "10.0.0.9"
+
+
+def test_group_ports_default_to_the_servers_own_port_plus_a_delta_per_rank() -> None:
+    assert weights_group_ports(30000, 1) == [30000 + WEIGHTS_GROUP_PORT_DELTA]
+    assert weights_group_ports(30000, 4) == [30500, 30501, 30502, 30503]
+    assert weights_group_ports(65500, 2) == [64998, 64999]  # below the port near the top
+    cfg = SidecarConfig(worker_id="s", url="http://127.0.0.1:30000", gateways=("g:1",), tp=2)
+    assert cfg.group_ports() == [30500, 30501]
+    given = SidecarConfig(
+        worker_id="s", url="http://127.0.0.1:30000", gateways=("g:1",), tp=2, weights_group_ports=(9, 10, 11)
+    )
+    assert given.group_ports() == [9, 10]
+    with pytest.raises(ValueError, match="one per TP rank"):
+        SidecarConfig(worker_id="s", url="http://h:1", gateways=("g:1",), tp=2, weights_group_ports=(9,))
+
+
+@pytest.mark.parametrize(
+    ("args", "tp"),
+    [([], 1), (["--tp-size", "4"], 4), (["--tp=2"], 2), (["--tensor-parallel-size", "8"], 8)],
+)
+def test_the_tp_comes_from_the_launch_arguments(args: list[str], tp: int) -> None:
+    assert tp_of(["--model-path", "m", *args]) == tp
+
+
+def test_a_bad_tp_is_refused() -> None:
+    with pytest.raises(LaunchError, match="--tp-size x"):
+        tp_of(["--tp-size", "x"])
+    with pytest.raises(LaunchError, match=">= 1"):
+        tp_of(["--tp-size", "0"])
+
+
+def test_the_agents_seed_options() -> None:
+    seed = ["--weights-group-ports", "31000,31001", "--seed-wait-s", "0"]
+    args, tail = parse(["--url", URL, "--gateway", "g:1", "--launch", *seed, "--", "--tp-size", "2"])
+    assert args.weights_group_ports == (31000, 31001) and args.seed_wait_s == 0 and tail == ["--tp-size", "2"]
+    args, _ = parse(["--url", URL, "--gateway", "g:1"])
+    assert (args.seed_wait_s, args.seed_timeout_s, args.weights_group_ports) == (2.0, 300.0, None)
+    with pytest.raises(SystemExit):
+        parse(["--url", URL, "--gateway", "g:1", "--weights-group-ports", "a,b"])

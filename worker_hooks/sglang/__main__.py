@@ -1,16 +1,25 @@
 """Run the sidecar agent beside one SGLang server (`lumen sglang-agent` execs this).
 
     python -m worker_hooks.sglang --url http://127.0.0.1:30000 --gateway 127.0.0.1:50151 [--gateway ...]
-        [--id ID] [--launch -- <sglang launch_server args>]
+        [--id ID] [--tp N] [--seed-wait-s 2] [--seed-timeout-s 300] [--weights-group-ports P0,P1,...]
+        [--launch -- <sglang launch_server args>]
 
 Without `--launch` the server is someone else's: the agent only watches it. With `--launch` the agent
 starts `python -m sglang.launch_server ARGS` (plus the flags Lumen needs; see launcher.py), restarts it
 when it dies (unless `--no-restart`: then the agent exits 1 once it died), and stops it on exit.
 `LUMEN_SGLANG_LAUNCHER` replaces the launcher command (a testing hook: launcher.py).
 
+Seeded reload (with `--launch`; agent.py): after the server died, the agent waits up to `--seed-wait-s`
+for a gateway to name a running server of the same model and TP, and relaunches loading the weights from
+it (`--load-format remote_instance` over NCCL), or from storage when none is named, when the seeded
+server exits before it is ready, or when it is not ready within `--seed-timeout-s`. The NCCL groups
+listen on the seed's host at `--weights-group-ports` (one port per TP rank, free there; default: this
+server's port + 500 + rank, launcher.WEIGHTS_GROUP_PORT_DELTA). `--seed-wait-s 0` never seeds.
+
 The control-plane secret comes from LUMEN_CONTROL_TOKEN. The agent prints one JSON line per event to
 stdout (`started`, `server_started` with the server's pid, `server_ready`, `server_exited`,
-`server_lost`, `incarnation`, `abort_all`; `at` is time.monotonic(), comparable across the processes of
+`server_lost`, `incarnation`, `abort_all`, and for relaunches `reload_from`, `no_seed`, `seed_failed`,
+`seed_timeout`, `reloaded` with its seconds and source; `at` is time.monotonic(), comparable across the processes of
 a Linux host); logs go to stderr, and so does the server's own output. SIGTERM/SIGINT stop it
 cleanly; started by a supervisor that sets LUMEN_PARENT_PID, it also stops once that parent is gone.
 """
@@ -31,7 +40,13 @@ import structlog
 import uvloop
 
 from worker_hooks.sglang.agent import Sidecar, SidecarConfig
-from worker_hooks.sglang.launcher import LaunchError, host_port, server_command
+from worker_hooks.sglang.launcher import (
+    WEIGHTS_GROUP_PORT_DELTA,
+    LaunchError,
+    host_port,
+    server_command,
+    tp_of,
+)
 
 PARENT_POLL_S = 0.5
 
@@ -79,8 +94,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stop-grace-s", type=float, default=10.0, help="--launch: on exit, SIGTERM, then SIGKILL after this"
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="the server's tensor parallelism (default: --tp-size of the launch arguments, else 1)",
+    )
+    p.add_argument(
+        "--seed-wait-s",
+        type=float,
+        default=2.0,
+        help="--launch: after the server died, wait this long for a seed to reload from (0: always from storage)",
+    )
+    p.add_argument(
+        "--seed-timeout-s",
+        type=float,
+        default=300.0,
+        help="--launch: a seeded server not ready after this is killed and launched from storage",
+    )
+    p.add_argument(
+        "--weights-group-ports",
+        type=_ports,
+        metavar="P0,P1,...",
+        help="--launch: weight-transfer group ports on the seed's host, one per TP rank "
+        f"(default: this server's port + {WEIGHTS_GROUP_PORT_DELTA} + rank)",
+    )
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _ports(text: str) -> tuple[int, ...]:
+    try:
+        ports = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ports: {text!r}") from None
+    if not ports or any(not 0 < p <= 65535 for p in ports):
+        raise argparse.ArgumentTypeError(f"ports must be 1..65535: {text!r}")
+    return ports
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -166,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     port = urlsplit(args.url).port
     launch: list[str] | None = None
-    if args.launch:
-        try:
+    try:
+        tp = args.tp if args.tp is not None else tp_of(tail)
+        if args.launch:
             launch = server_command(args.url, tail)
-        except LaunchError as exc:
-            print(f"lumen sglang-agent: {exc}", file=sys.stderr)
-            return 2
+    except LaunchError as exc:
+        print(f"lumen sglang-agent: {exc}", file=sys.stderr)
+        return 2
     try:
         cfg = SidecarConfig(
             worker_id=args.id or f"sglang-{port}",
@@ -183,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             poll_interval_s=args.poll_ms / 1000.0,
             poll_misses=args.poll_misses,
             heartbeat_interval_ms=args.heartbeat_ms,
+            tp=tp,
+            seed_wait_s=args.seed_wait_s,
+            seed_timeout_s=args.seed_timeout_s,
+            weights_group_ports=args.weights_group_ports or (),
         )
     except ValueError as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)

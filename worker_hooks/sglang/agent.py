@@ -23,6 +23,17 @@ the agent launched it; a refused or reset connection on a poll otherwise; or no 
 `poll_interval_s * poll_misses` (a hung or unready server). The sessions then re-attach as new
 incarnations in LOADING_FULL and report SERVING once `/ready` is 200 again (after the launcher has
 restarted the server, or whoever runs it did).
+
+Seeded reload (with `--launch`): when the server dies, the re-attaching sessions say `awaiting_seed` in
+their Hello and heartbeats and the agent waits up to `seed_wait_s` (from the exit) for a gateway's `ReloadFrom{seed}`,
+a running server of the same model and TP picked by that gateway. It then launches the server with
+SGLang's `--load-format remote_instance` flags naming the seed (launcher.seeded_command; weight-transfer
+group ports `weights_group_ports`, by default derived from the server's own port), or from storage when
+no seed came. A seeded server that exits before `/ready` answers 200, or is not ready within
+`seed_timeout_s` (then the agent kills it), is launched again at once from storage. The reload is
+measured from the server's exit to the first 200 from `/ready`, with its source (`peer` or `disk`), and
+reported once to each gateway with the first SERVING heartbeat after it (`reload_seconds`,
+`reload_source`, `reload_seed`); the first launch is not a reload.
 """
 
 from __future__ import annotations
@@ -43,7 +54,14 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.sglang import SGLangAbort, SGLangLoads
 from worker_hooks.control import ControlClient
-from worker_hooks.sglang.launcher import ServerExit, ServerProcess
+from worker_hooks.sglang.launcher import (
+    LaunchError,
+    ServerExit,
+    ServerProcess,
+    host_port,
+    seeded_command,
+    weights_group_ports,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +84,10 @@ class SidecarConfig:
     poll_misses: int = 5  # no 200 from /ready for poll_interval_s x poll_misses: the server is lost
     heartbeat_interval_ms: int = 50  # when a Welcome names none
     abort_timeout_s: float = 2.0
+    tp: int = 1  # the server's tensor parallelism: a seed must have the same
+    seed_wait_s: float = 2.0  # after the server died, how long to wait for a ReloadFrom (0: never seed)
+    seed_timeout_s: float = 300.0  # a seeded server not ready by then is killed and loaded from storage
+    weights_group_ports: tuple[int, ...] = ()  # one per TP rank; empty: from the url's port
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -74,6 +96,47 @@ class SidecarConfig:
             raise ValueError(f"a gateway is named twice: {self.gateways}")
         if self.poll_interval_s <= 0 or self.poll_misses < 1:
             raise ValueError("poll_interval_s must be > 0 and poll_misses >= 1")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, not {self.tp}")
+        if self.seed_wait_s < 0 or self.seed_timeout_s <= 0:
+            raise ValueError("seed_wait_s must be >= 0 and seed_timeout_s > 0")
+        if self.weights_group_ports and len(self.weights_group_ports) < self.tp:
+            raise ValueError(
+                f"{len(self.weights_group_ports)} weights group port(s) for tp {self.tp}: one per TP rank"
+            )
+
+    def group_ports(self) -> list[int]:
+        """The weight-transfer group ports a seeded launch names (one per TP rank)."""
+        if self.weights_group_ports:
+            return list(self.weights_group_ports[: self.tp])
+        return weights_group_ports(host_port(self.url)[1], self.tp)
+
+
+class Source(StrEnum):
+    """Where a relaunched server's weights came from."""
+
+    PEER = "peer"  # a running server (the seed), over SGLang's remote_instance loader
+    DISK = "disk"  # its own storage
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """One relaunch, from the server's exit to the first 200 from /ready."""
+
+    seq: int  # 1, 2, ... per agent
+    seconds: float
+    source: Source
+    seed: str  # the seed's worker id (peer), the seed that failed (disk), or ""
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One launch of the server: seeded (`seed` set) or from storage."""
+
+    seed: str = ""
+    seed_url: str = ""
+    pid: int | None = None
+    ready: bool = False
 
 
 class Probe(StrEnum):
@@ -92,6 +155,7 @@ class SGLangRole:
         self.sidecar = sidecar
         self._incarnation = now_us()
         self.draining = False
+        self.reload_reported = 0  # the seq of the last Reload this gateway was told of
 
     @property
     def worker_id(self) -> str:
@@ -119,23 +183,36 @@ class SGLangRole:
             kv_capacity_tokens=sum(r.max_total_num_tokens for r in ranks),
             max_running_requests=sum(r.max_running_requests for r in ranks),
             failure_domain=cfg.failure_domain,
+            tp=cfg.tp,
+            awaiting_seed=s.awaiting_seed,
         )
 
     def heartbeat(self, seq: int, *, full: bool) -> pb.Heartbeat:
         ranks = self.sidecar.loads.loads if self.sidecar.loads is not None else []
-        return pb.Heartbeat(
+        phase = self.phase()
+        beat = pb.Heartbeat(
             seq=seq,
-            phase=self.phase(),
+            phase=phase,
             running=sum(r.num_running_reqs for r in ranks),
             waiting=sum(r.num_waiting_reqs for r in ranks),
             kv_tokens_used=sum(r.num_used_tokens for r in ranks),
+            awaiting_seed=self.sidecar.awaiting_seed,
         )
+        reload = self.sidecar.reload
+        if phase != pb.LOADING_FULL and reload is not None and reload.seq > self.reload_reported:
+            self.reload_reported = reload.seq  # once, with the first serving beat after it
+            beat.reload_seconds = reload.seconds
+            beat.reload_source = reload.source.value
+            beat.reload_seed = reload.seed
+        return beat
 
     def command(self, msg: pb.GatewayMessage) -> None:
         kind = msg.WhichOneof("body")
         if kind == "drain":
             log.info("draining", worker_id=self.worker_id)
             self.draining = True
+        elif kind == "reload_from":
+            self.sidecar.offer_seed(msg.reload_from.seed_worker_id, msg.reload_from.seed_url)
         else:
             # holders, checkpoints and draft assist need Lumen's engine; the gateway sends none to an
             # SGLang worker (its Hello offers no KV or draft endpoint)
@@ -177,6 +254,7 @@ class Sidecar:
             for address in cfg.gateways
         ]
         self.server: ServerProcess | None = None
+        self.launch = list(launch) if launch is not None else None  # the command loading from storage
         if launch is not None:
             self.server = ServerProcess(
                 launch,
@@ -185,7 +263,20 @@ class Sidecar:
                 restart=restart,
                 on_start=self._server_started,
                 on_exit=self._server_exited,
+                next_command=self._next_command,
             )
+        # seeded reload (see the module doc)
+        self.seeding = launch is not None and restart and cfg.seed_wait_s > 0
+        self.awaiting_seed = False  # between the server's exit and its relaunch, when it may be seeded
+        self.attempt = Attempt()  # the launch running now
+        self.reload: Reload | None = None  # the last one
+        self.reloads = 0
+        self._seed_offer: asyncio.Future[tuple[str, str]] | None = None
+        self._down_since: float | None = None  # time.monotonic() of the exit being reloaded from
+        self._last_exit_at = 0.0
+        self._failed_seed = ""  # a seed whose launch failed during the current reload
+        self._disk_next = False  # the seeded launch failed: the next one loads from storage
+        self._seed_timer: asyncio.Task[None] | None = None
         self.server_pid: int | None = None
         self.exited = asyncio.Event()  # the launched server exited and will not be restarted
         self._signal = asyncio.Event()  # set (and replaced) by every emit
@@ -212,10 +303,12 @@ class Sidecar:
         if the agent launched it."""
         for c in self.clients:
             await c.stop()
-        for t in self._tasks:
+        tasks = [*self._tasks, *([self._seed_timer] if self._seed_timer is not None else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._seed_timer = None
         if self.server is not None:
             await self.server.stop(grace_s)
         if self._http is not None:
@@ -236,12 +329,118 @@ class Sidecar:
 
     def _server_started(self, pid: int) -> None:
         self.server_pid = pid
-        self.emit("server_started", pid=pid)
+        self.attempt.pid = pid
+        self.emit("server_started", pid=pid, source=(Source.PEER if self.attempt.seed else Source.DISK).value)
+        if self.attempt.seed:
+            self._seed_timer = asyncio.create_task(
+                self._seed_deadline(self.attempt), name="sglang-seed-timer"
+            )
 
     def _server_exited(self, ex: ServerExit) -> None:
         self.server_pid = None
+        self._last_exit_at = ex.at
+        if self._down_since is None:
+            self._down_since = ex.at  # what a relaunch is measured from
+        attempt = self.attempt
+        if attempt.seed and not attempt.ready:
+            # the seed or the transfer failed: the next launch loads from storage, without waiting
+            self._failed_seed, self._disk_next = attempt.seed, True
+            self.emit("seed_failed", seed=attempt.seed, pid=ex.pid, returncode=ex.returncode)
+            log.warning(
+                "seeded server exited before ready; loading from storage",
+                worker_id=self.cfg.worker_id,
+                seed=attempt.seed,
+                returncode=ex.returncode,
+            )
+        # before the sessions end (when the exit, not a refused poll, is the first news): their next
+        # Hello says that this relaunch may be seeded, and so does every heartbeat until it launches.
+        # Only a server that was serving is seeded; one that died while loading is relaunched from
+        # storage at once.
+        self.awaiting_seed = self.seeding and attempt.ready and not self._disk_next
+        if self.awaiting_seed:
+            self._seed_offer = asyncio.get_running_loop().create_future()
         self.emit("server_exited", pid=ex.pid, returncode=ex.returncode, seen_at=ex.at)
         self.server_lost(f"server process {ex.pid} exited with {ex.returncode}")
+
+    # -- seeded reload ----------------------------------------------------------------------------
+    def offer_seed(self, seed_worker_id: str, seed_url: str) -> None:
+        """A gateway's ReloadFrom: taken when the agent waits for one, else ignored (the first wins)."""
+        offer = self._seed_offer
+        if not self.awaiting_seed or offer is None or offer.done():
+            log.info(
+                "ReloadFrom ignored: not waiting for a seed",
+                worker_id=self.cfg.worker_id,
+                seed=seed_worker_id,
+            )
+            return
+        offer.set_result((seed_worker_id, seed_url))
+
+    async def _next_command(self) -> list[str]:
+        """The command of the next relaunch (ServerProcess.next_command): seeded when a gateway named a
+        seed within `seed_wait_s` of the exit, else from storage."""
+        assert self.launch is not None
+        self.attempt = Attempt()
+        offer = self._seed_offer
+        if not self.awaiting_seed or offer is None:
+            self._disk_next = False
+            return self.launch
+        wait_s = self._last_exit_at + self.cfg.seed_wait_s - time.monotonic()
+        try:
+            async with asyncio.timeout(max(0.0, wait_s)):
+                seed, seed_url = await offer
+        except TimeoutError:
+            self.emit("no_seed", waited_s=round(max(0.0, wait_s), 3))
+            return self.launch
+        finally:
+            self.awaiting_seed = False
+            self._seed_offer = None
+        try:
+            command = seeded_command(self.launch, seed_url, self.cfg.group_ports(), self.cfg.tp)
+        except LaunchError as exc:
+            log.warning("cannot seed from the gateway's choice", worker_id=self.cfg.worker_id, error=str(exc))
+            self.emit("seed_refused", seed=seed, seed_url=seed_url, error=str(exc))
+            return self.launch
+        self.attempt = Attempt(seed=seed, seed_url=seed_url)
+        self.emit("reload_from", seed=seed, seed_url=seed_url, group_ports=self.cfg.group_ports())
+        return command
+
+    async def _seed_deadline(self, attempt: Attempt) -> None:
+        """Kill a seeded server that is not ready within seed_timeout_s (it then loads from storage)."""
+        await asyncio.sleep(self.cfg.seed_timeout_s)
+        if self.attempt is attempt and not attempt.ready and self.server is not None:
+            self.emit("seed_timeout", seed=attempt.seed, timeout_s=self.cfg.seed_timeout_s)
+            log.warning(
+                "seeded server not ready in time; killing it", worker_id=self.cfg.worker_id, seed=attempt.seed
+            )
+            self.server.kill()
+
+    def _server_ready(self) -> None:
+        """The first 200 from /ready of this launch: a relaunch's reload is complete."""
+        self.attempt.ready = True
+        if self._seed_timer is not None:
+            self._seed_timer.cancel()
+            self._seed_timer = None
+        if self._down_since is None:
+            return  # the first launch, or a server the agent does not run
+        source = Source.PEER if self.attempt.seed else Source.DISK
+        self.reloads += 1
+        self.reload = Reload(
+            seq=self.reloads,
+            seconds=time.monotonic() - self._down_since,
+            source=source,
+            seed=self.attempt.seed or self._failed_seed,
+        )
+        self._down_since, self._failed_seed, self._disk_next = None, "", False
+        self.emit(
+            "reloaded", seconds=round(self.reload.seconds, 4), source=source.value, seed=self.reload.seed
+        )
+        log.info(
+            "server reloaded",
+            worker_id=self.cfg.worker_id,
+            seconds=round(self.reload.seconds, 3),
+            source=source.value,
+            seed=self.reload.seed,
+        )
 
     async def _run_server(self) -> None:
         assert self.server is not None
@@ -284,6 +483,8 @@ class Sidecar:
                     if not self.up:
                         self.up = True
                         self.emit("server_ready")
+                        if self.server_pid is not None and not self.attempt.ready:
+                            self._server_ready()
                         log.info("server ready", worker_id=cfg.worker_id, url=cfg.url)
                 elif probe is Probe.REFUSED:
                     self.server_lost("connection refused")

@@ -8,6 +8,13 @@ The command is `python -m sglang.launch_server ARGS` plus the flags Lumen needs 
 - `--enable-deterministic-inference`: batch-invariant logits, so a replay on another server in another
   batch continues greedy and seeded streams token for token.
 
+Seeded reload: a restart may load its weights from a running server of the same model and TP (the
+seed) instead of from storage, with SGLang's `--load-format remote_instance` (`seeded_command`): each TP
+rank r receives its shard from the seed's rank r over an NCCL group of two whose store listens on the
+seed's host at group port r (`--remote-instance-weight-loader-send-weights-group-ports`, one port per
+rank, free on the seed's host). SGLang falls back to loading from storage, silently, when any of
+these settings is missing, so all of them are always given together.
+
 Nothing of sglang is imported here or anywhere in Lumen: the server runs in its own interpreter.
 `sglang_installed()` only asks the import system whether the package is there.
 
@@ -28,12 +35,13 @@ import asyncio
 import contextlib
 import ctypes
 import importlib.util
+import json
 import os
 import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -49,6 +57,19 @@ REQUIRED_FLAGS: tuple[tuple[str, str | None], ...] = (
     ("--sampling-backend", "pytorch"),
     ("--enable-deterministic-inference", None),
 )
+
+
+# flags of SGLang's remote-instance weight loader (srt/arg_groups/fields/model.py), all taking one value
+LOAD_FORMAT = "--load-format"
+SEED_IP = "--remote-instance-weight-loader-seed-instance-ip"
+SEED_PORT = "--remote-instance-weight-loader-seed-instance-service-port"
+GROUP_PORTS = "--remote-instance-weight-loader-send-weights-group-ports"
+LOADER_BACKEND = "--remote-instance-weight-loader-backend"
+REMOTE_FLAGS = (LOAD_FORMAT, SEED_IP, SEED_PORT, GROUP_PORTS, LOADER_BACKEND)
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+# default weight-transfer group ports: the restarting server's own port + this + TP rank. SGLang itself
+# derives ports from its --port at +1, +13, +233..+240 and +10000; +500.. is clear of them
+WEIGHTS_GROUP_PORT_DELTA = 500
 
 
 class LaunchError(Exception):
@@ -121,6 +142,73 @@ def server_command(url: str, args: Sequence[str], env: dict[str, str] | None = N
     return [*launcher_prefix(env), *server_args(url, args)]
 
 
+def tp_of(args: Sequence[str]) -> int:
+    """The tensor parallelism the launch arguments ask for (`--tp-size` or an alias), 1 if none."""
+    for flag in TP_FLAGS:
+        given = _flag_value(args, flag)
+        if given:
+            try:
+                tp = int(given)
+            except ValueError:
+                raise LaunchError(f"{flag} {given}: not an integer") from None
+            if tp < 1:
+                raise LaunchError(f"{flag} {given}: must be >= 1")
+            return tp
+    return 1
+
+
+def weights_group_ports(port: int, tp: int) -> list[int]:
+    """The default weight-transfer group ports of a server at `port`: one per TP rank, from
+    port + WEIGHTS_GROUP_PORT_DELTA (below the port when that would pass 65535)."""
+    base = port + WEIGHTS_GROUP_PORT_DELTA
+    if base + tp - 1 > 65535:
+        base = port - WEIGHTS_GROUP_PORT_DELTA - tp
+    return [base + r for r in range(tp)]
+
+
+def remote_instance_args(seed_url: str, group_ports: Sequence[int], tp: int) -> list[str]:
+    """SGLang's flags that load every TP rank's weights from the seed at `seed_url` over NCCL; raises
+    LaunchError when they would be incomplete (SGLang would quietly load from storage instead)."""
+    try:
+        host, port = host_port(seed_url)
+    except LaunchError:
+        raise LaunchError(f"seed url must be http://HOST:PORT, not {seed_url!r}") from None
+    if len(group_ports) < tp:
+        raise LaunchError(f"{len(group_ports)} weight-transfer group port(s) for TP {tp}: one per rank")
+    if any(not 0 < p <= 65535 for p in group_ports):
+        raise LaunchError(f"weight-transfer group ports out of range: {list(group_ports)}")
+    return [
+        *(LOAD_FORMAT, "remote_instance"),
+        *(SEED_IP, host),
+        *(SEED_PORT, str(port)),
+        *(GROUP_PORTS, json.dumps(list(group_ports[:tp]), separators=(",", ":"))),
+        *(LOADER_BACKEND, "nccl"),
+    ]
+
+
+def without_flags(args: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """`args` without each of `flags` (`--flag V` or `--flag=V`; every one takes a value)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        if a.startswith("--") and a.split("=", 1)[0] in flags and "=" in a:
+            continue
+        out.append(a)
+    return out
+
+
+def seeded_command(command: Sequence[str], seed_url: str, group_ports: Sequence[int], tp: int) -> list[str]:
+    """The server command loading its weights from the seed at `seed_url`: the disk command without
+    any load-format or remote-instance flag of its own, plus `remote_instance_args`."""
+    return [*without_flags(command, REMOTE_FLAGS), *remote_instance_args(seed_url, group_ports, tp)]
+
+
 @dataclass(frozen=True, slots=True)
 class ServerExit:
     pid: int
@@ -147,7 +235,8 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 class ServerProcess:
     """One server: started by `run()`, restarted after each exit (unless `restart` is False), ended by
-    `stop()`. `on_exit` is called first thing after the exit is seen, before any cleanup."""
+    `stop()`. `on_exit` is called first thing after the exit is seen, before any cleanup; `next_command`,
+    when given, is awaited before each restart (after the backoff) for the command to start then."""
 
     def __init__(
         self,
@@ -155,6 +244,7 @@ class ServerProcess:
         *,
         on_start: Callable[[int], None],
         on_exit: Callable[[ServerExit], None],
+        next_command: Callable[[], Awaitable[Sequence[str]]] | None = None,
         env: dict[str, str] | None = None,
         output: int | None = None,
         restart: bool = True,
@@ -165,6 +255,7 @@ class ServerProcess:
         self.command = list(command)
         self.on_start = on_start
         self.on_exit = on_exit
+        self.next_command = next_command
         self.env = env
         self.output = output  # where the server's stdout and stderr go; None: the agent's stderr
         self.restart = restart
@@ -206,7 +297,18 @@ class ServerProcess:
             backoff = self.backoff_start_s if seen.uptime_s >= self.stable_after_s else backoff
             await asyncio.sleep(backoff)
             backoff = min(self.backoff_cap_s, backoff * 2)
+            if self.next_command is not None:
+                self.command = list(await self.next_command())
             proc = await self._spawn()
+
+    def kill(self) -> bool:
+        """SIGKILL the running server's process group (run() sees the exit as any other); False if none
+        runs."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return False
+        _kill_group(proc.pid, signal.SIGKILL)
+        return True
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Terminate the server's process group; SIGKILL what is left after `grace_s`."""

@@ -33,6 +33,8 @@ class ControlService(pb_grpc.ControlServicer):
         self.outboxes: dict[str, asyncio.Queue[pb.GatewayMessage]] = {}
         # called after the monitor has taken each heartbeat (the checkpoint manager listens)
         self.heartbeat_hooks: list[Callable[[WorkerRecord, pb.Heartbeat], None]] = []
+        # called once a worker is welcomed and `send` reaches it (the reload coordinator listens)
+        self.attach_hooks: list[Callable[[WorkerRecord, pb.Hello], None]] = []
 
     def send(self, worker_id: str, msg: pb.GatewayMessage) -> bool:
         """Queue a command for a worker's current incarnation; False if it is not attached."""
@@ -76,6 +78,11 @@ class ControlService(pb_grpc.ControlServicer):
         )
         outbox: asyncio.Queue[pb.GatewayMessage] = asyncio.Queue()
         self.outboxes[rec.id] = outbox
+        for hook in self.attach_hooks:
+            try:
+                hook(rec, hello)
+            except Exception:  # a listener's bug must not break the control plane
+                log.exception("attach_hook_failed", worker=rec.id, hook=repr(hook))
         reader = asyncio.create_task(self._read_loop(context, rec), name=f"control-read-{rec.id}")
         writer = asyncio.create_task(self._write_loop(context, outbox), name=f"control-write-{rec.id}")
         fenced = asyncio.create_task(rec.fence.wait(), name=f"control-fence-{rec.id}")

@@ -32,7 +32,16 @@ from gateway.server.workers.records import (
 
 log = structlog.get_logger("lumen.monitor")
 
-__all__ = ["AttachRefused", "LoadMonitor", "StateEvent", "WorkerRecord", "phase_of"]
+__all__ = ["AttachRefused", "LoadMonitor", "StateEvent", "WorkerRecord", "phase_of", "reload_note"]
+
+
+def reload_note(seconds: float, source: str, seed: str) -> str:
+    """A reload in the timeline: "reloaded from s1 (peer) in 3.20 s", "reloaded from storage (disk) in
+    41.00 s, seed s1 failed"."""
+    if source == "peer":
+        return f"reloaded from {seed or 'a peer'} (peer) in {seconds:.2f} s"
+    failed = f", seed {seed} failed" if seed else ""
+    return f"reloaded from storage ({source}) in {seconds:.2f} s{failed}"
 
 
 class LoadMonitor:
@@ -94,6 +103,7 @@ class LoadMonitor:
             kv_endpoint=hello.kv_endpoint,
             draft_endpoint=hello.draft_endpoint,
             model=hello.model,
+            tp=hello.tp,
             pid=hello.pid,
             kv_capacity_tokens=max(1, hello.kv_capacity_tokens),
             ckpt_budget_bytes=hello.ckpt_budget_bytes,
@@ -131,9 +141,17 @@ class LoadMonitor:
         rec.accepted_tokens = hb.draft.accepted_tokens
         rec.draft_rounds = hb.draft.rounds
         rec.phase = phase_of(hb.phase)
+        note = ""
+        if hb.reload_source:
+            rec.reload_seconds, rec.reload_source, rec.reload_seed = (
+                hb.reload_seconds,
+                hb.reload_source,
+                hb.reload_seed,
+            )
+            note = reload_note(hb.reload_seconds, hb.reload_source, hb.reload_seed)
         if rec.state is WorkerState.SUSPECT:
             self._set(rec, WorkerState.HEALTHY, "heartbeat resumed")
-        self._apply_phase(rec, rec.phase)
+        self._apply_phase(rec, rec.phase, note)
 
     def detach(self, rec: WorkerRecord, reason: str) -> None:
         """The control stream of `rec` ended: the incarnation is failed at once."""
@@ -308,10 +326,14 @@ class LoadMonitor:
         return True
 
     # -- internals -------------------------------------------------------------------------------
-    def _apply_phase(self, rec: WorkerRecord, phase: Phase) -> None:
+    def _apply_phase(self, rec: WorkerRecord, phase: Phase, note: str = "") -> None:
+        """Move `rec` to the state its phase implies; `note` (a reload report) goes in the timeline with
+        that transition, or as an event of its own when the state stays."""
         dst = health.state_for_phase(rec.state, phase)
         if dst is not rec.state:
-            self._set(rec, dst, f"phase {phase.value}")
+            self._set(rec, dst, f"phase {phase.value}; {note}" if note else f"phase {phase.value}")
+        elif note:
+            self._record(rec, rec.state, rec.state, note)
 
     def _fail(self, rec: WorkerRecord, reason: str) -> None:
         rec.failed_at = self.clock()

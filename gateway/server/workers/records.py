@@ -74,6 +74,7 @@ class WorkerRecord:
     kv_endpoint: str = ""
     draft_endpoint: str = ""
     model: str = ""
+    tp: int = 0  # tensor parallelism (0: not reported)
     pid: int = 0
     kv_capacity_tokens: int = 1
     ckpt_budget_bytes: int = 0
@@ -101,6 +102,10 @@ class WorkerRecord:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     draft_rounds: int = 0
+    # the reload this incarnation reported (an SGLang agent's relaunch): seconds, "peer"/"disk", seed
+    reload_seconds: float | None = None
+    reload_source: str = ""
+    reload_seed: str = ""
     # requests this gateway has in flight on the worker
     inflight: int = 0
     attached_at: float = 0.0
