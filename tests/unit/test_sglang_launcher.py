@@ -179,3 +179,14 @@ def test_the_agents_seed_options() -> None:
     assert (args.seed_wait_s, args.seed_timeout_s, args.weights_group_ports) == (2.0, 300.0, None)
     with pytest.raises(SystemExit):
         parse(["--url", URL, "--gateway", "g:1", "--weights-group-ports", "a,b"])
+
+
+def test_the_holder_store_of_the_storage_config_is_read_from_the_launch_args() -> None:
+    from worker_hooks.sglang.launcher import lumen_storage_config
+
+    extra = '{"backend_name": "lumen", "lumen": {"holder_endpoint": "tcp://10.0.0.1:5600", "holder_budget_bytes": 8}}'
+    args = ["--model-path", "m", "--hicache-storage-backend-extra-config", extra]
+    assert lumen_storage_config(args) == {"holder_endpoint": "tcp://10.0.0.1:5600", "holder_budget_bytes": 8}
+    assert lumen_storage_config(["--model-path", "m"]) == {}
+    with pytest.raises(ValueError, match="not JSON"):
+        lumen_storage_config(["--hicache-storage-backend-extra-config", "{nope"])

@@ -44,6 +44,7 @@ from worker_hooks.sglang.launcher import (
     WEIGHTS_GROUP_PORT_DELTA,
     LaunchError,
     host_port,
+    lumen_storage_config,
     server_command,
     tp_of,
 )
@@ -117,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P0,P1,...",
         help="--launch: weight-transfer group ports on the seed's host, one per TP rank "
         f"(default: this server's port + {WEIGHTS_GROUP_PORT_DELTA} + rank)",
+    )
+    p.add_argument(
+        "--kv-endpoint",
+        help="the server's Lumen holder store (default: holder_endpoint of the launch args' storage config)",
+    )
+    p.add_argument(
+        "--ckpt-budget-bytes",
+        type=int,
+        help="its holder budget (default: holder_budget_bytes of the launch args' storage config)",
     )
     p.add_argument("--log-level", default="info")
     return p
@@ -223,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)
         return 2
     try:
+        storage = lumen_storage_config(tail)
         cfg = SidecarConfig(
             worker_id=args.id or f"sglang-{port}",
             url=args.url.rstrip("/"),
@@ -237,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             seed_wait_s=args.seed_wait_s,
             seed_timeout_s=args.seed_timeout_s,
             weights_group_ports=args.weights_group_ports or (),
+            kv_endpoint=args.kv_endpoint
+            if args.kv_endpoint is not None
+            else str(storage.get("holder_endpoint", "")),
+            ckpt_budget_bytes=args.ckpt_budget_bytes
+            if args.ckpt_budget_bytes is not None
+            else int(str(storage.get("holder_budget_bytes", 0))),
         )
     except ValueError as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)

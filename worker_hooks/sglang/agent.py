@@ -88,6 +88,10 @@ class SidecarConfig:
     seed_wait_s: float = 2.0  # after the server died, how long to wait for a ReloadFrom (0: never seed)
     seed_timeout_s: float = 300.0  # a seeded server not ready by then is killed and loaded from storage
     weights_group_ports: tuple[int, ...] = ()  # one per TP rank; empty: from the url's port
+    # Lumen's storage backend in the server (part 2): where its holder store listens and its budget;
+    # reported in Hello so the gateway can make this server a checkpoint holder ("": it holds nothing)
+    kv_endpoint: str = ""
+    ckpt_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -185,6 +189,8 @@ class SGLangRole:
             failure_domain=cfg.failure_domain,
             tp=cfg.tp,
             awaiting_seed=s.awaiting_seed,
+            kv_endpoint=cfg.kv_endpoint,
+            ckpt_budget_bytes=cfg.ckpt_budget_bytes,
         )
 
     def heartbeat(self, seq: int, *, full: bool) -> pb.Heartbeat:

@@ -157,6 +157,20 @@ def tp_of(args: Sequence[str]) -> int:
     return 1
 
 
+def lumen_storage_config(args: Sequence[str]) -> dict[str, object]:
+    """The `"lumen"` object of `--hicache-storage-backend-extra-config` in launch args ({} if none):
+    the holder endpoint and budget Lumen's storage backend runs with (docs/sglang.md)."""
+    raw = _flag_value(args, "--hicache-storage-backend-extra-config")
+    if raw is None:
+        return {}
+    try:
+        extra = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--hicache-storage-backend-extra-config is not JSON: {exc}") from exc
+    lumen = extra.get("lumen") if isinstance(extra, dict) else None
+    return lumen if isinstance(lumen, dict) else {}
+
+
 def weights_group_ports(port: int, tp: int) -> list[int]:
     """The default weight-transfer group ports of a server at `port`: one per TP rank, from
     port + WEIGHTS_GROUP_PORT_DELTA (below the port when that would pass 65535)."""
