@@ -3,7 +3,9 @@
 - the sidecar agent (`python -m worker_hooks.sglang`, or `lumen sglang-agent`): agent.py attaches one
   SGLang server to the gateways' control plane as an `engine = "sglang"` worker; launcher.py starts,
   watches and restarts the server when the agent is asked to launch it;
-- modules SGLang loads into its own server process (the HiCache storage backend, hicache_backend.py).
+- modules SGLang loads into its own server process: the HiCache storage backend (hicache_backend.py
+  over page_store.py) and the decode-time checkpoint plugin (plugin.py, entry point
+  `sglang.srt.plugins: lumen`, over plugin_logic.py and plugin_shipper.py).
 
 This package is the only code in Lumen that may import sglang. The agent's modules (agent.py,
 launcher.py, __main__.py) import none of it: the server runs as a child process, and the launcher only
