@@ -20,6 +20,8 @@ from gateway.core.holders import HolderParams
 from gateway.core.pairing import PairingParams
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
+from gateway.protocol.generate import EngineKind
+from gateway.protocol.sglang import sglang_rid
 from gateway.server.admin import AdminAPI, FaultInjector
 from gateway.server.api.middleware import error_middleware
 from gateway.server.api.routes import add_client_routes
@@ -266,13 +268,21 @@ class Gateway:
             if w.state is WorkerState.HEALTHY:
                 held.append(w.ckpt_tokens)
         if self.checkpoints is not None and self.sessions is not None:
-            live = [f"{rid}-{s.attempts}" for rid, s in self.sessions.live.items()]
+            live = [
+                self._ckpt_rid(f"{rid}-{s.attempts}", s.worker_id) for rid, s in self.sessions.live.items()
+            ]
             cov = self.checkpoints.coverage(live)
             self.metrics.ckpt_coverage.set(cov if cov is not None else 1.0)
             balance = holder_balance(held)
             if balance is not None and balance != float("inf"):
                 self.metrics.holder_balance.set(balance)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    def _ckpt_rid(self, wrid: str, worker_id: str | None) -> str:
+        """The rid an attempt's checkpoint is booked under: an SGLang server's pages are filed under
+        `sglang_rid` (sessions.py `_attempt`)."""
+        w = self.monitor.workers.get(worker_id) if worker_id is not None else None
+        return sglang_rid(wrid) if w is not None and w.engine is EngineKind.SGLANG else wrid
 
     # -- events -------------------------------------------------------------------------------
     def _on_state_change(self, ev: StateEvent) -> None:

@@ -39,7 +39,7 @@ from gateway.protocol.generate import (
     encode,
     token_logprobs,
 )
-from gateway.protocol.sglang import SGLangAbort, SGLangGenerate, to_sglang
+from gateway.protocol.sglang import SGLangAbort, SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import GenerateJob, TokenDelta
 from gateway.server.checkpoints import CheckpointManager
@@ -232,8 +232,14 @@ class SessionManager:
         # an SGLang server checkpoints only through Lumen's plugin and page store (its agent then
         # reports a KV endpoint); an agentless one is never given holders
         if self.checkpoints is not None and (not sglang or worker.kv_endpoint):
+            # books keyed by the rid the pages are filed under (an SGLang server's is sglang_rid),
+            # so holders' durable reports and DROPs name the same request
             holders = self.checkpoints.assign(
-                s.job.rid, wrid, worker, len(s.job.prompt_ids) + len(s.emitted), s.remaining
+                s.job.rid,
+                sglang_rid(wrid) if sglang else wrid,
+                worker,
+                len(s.job.prompt_ids) + len(s.emitted),
+                s.remaining,
             )
         req = GenerateRequest(
             rid=wrid,

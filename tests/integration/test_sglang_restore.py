@@ -6,12 +6,15 @@ killed mid-stream; recovery dispatch resumes the request on its holder, which re
 pages from its own store (cached_tokens > 0, bit-exact or not counted) and continues exactly.
 
 The servers attach at the control-plane seam (Hello with engine "sglang", the holder endpoint and budget,
-heartbeats with their load), as their sidecar agents would."""
+heartbeats with their load), as their sidecar agents would; with `report_holders`, the heartbeats are the
+agent's own (`SGLangRole.heartbeat`), carrying what it polls from the holder store's status socket, so the
+holder's durable prefix reaches the gateway's checkpoint books and recovery dispatch."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,11 +23,12 @@ import aiohttp
 from gateway.config import load_config
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.pagekeys import page_keys
-from gateway.protocol.sglang import parse_kv_hints
+from gateway.protocol.sglang import parse_kv_hints, sglang_rid
 from gateway.server.app import Gateway
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_standin
 from tests.integration.test_sglang_gateway import stream_ids, wait_until
 from worker_hooks.kv.payload import page_bytes, verify
+from worker_hooks.sglang.agent import SGLangRole, Sidecar, SidecarConfig
 from worker_hooks.sglang.page_store import PageStore, PageStoreConfig, RequestRoutes
 
 PS = 64
@@ -62,9 +66,9 @@ class PluginTier:
 
 
 @contextlib.asynccontextmanager
-async def two_servers_with_holders() -> AsyncIterator[
-    tuple[Gateway, dict[str, SGLangStandIn], dict[str, PluginTier]]
-]:
+async def two_servers_with_holders(
+    *, report_holders: bool = False, **overrides: Any
+) -> AsyncIterator[tuple[Gateway, dict[str, SGLangStandIn], dict[str, PluginTier]]]:
     cfg = load_config(
         overrides={
             "gateway.port": 0,
@@ -73,6 +77,7 @@ async def two_servers_with_holders() -> AsyncIterator[
             "health.heartbeat_interval_ms": 20,
             "health.heartbeat_misses": 5,
             "model.preset": "Qwen3-0.6B",
+            **overrides,
         }
     )
     gw = Gateway(cfg)
@@ -81,12 +86,19 @@ async def two_servers_with_holders() -> AsyncIterator[
     tiers: dict[str, PluginTier] = {}
     stores: list[PageStore] = []
     beats: list[asyncio.Task[None]] = []
+    agents: list[Sidecar] = []
     try:
         for wid in ("sgA", "sgB"):
             server = await start_standin(token_delay_ms=15, page_size=PS)
             routes = RequestRoutes(PS)
             store = PageStore(
-                PageStoreConfig(worker_id=wid, holder_bind="tcp://127.0.0.1:0", budget_bytes=BUDGET), routes
+                PageStoreConfig(
+                    worker_id=wid,
+                    holder_bind="tcp://127.0.0.1:0",
+                    status_bind="tcp://127.0.0.1:0" if report_holders else None,
+                    budget_bytes=BUDGET,
+                ),
+                routes,
             )
             stores.append(store)
             tiers[wid] = server.engine.storage = PluginTier(server, store, routes)  # type: ignore[assignment]
@@ -103,7 +115,21 @@ async def two_servers_with_holders() -> AsyncIterator[
                     phase=pb.SERVING,
                 )
             )
-            beats.append(asyncio.create_task(heartbeat(gw, rec, server)))
+            agent = None
+            if report_holders:  # the agent's own heartbeats, polling the holder store's status socket
+                agent = Sidecar(
+                    SidecarConfig(
+                        worker_id=wid,
+                        url=server.url,
+                        gateways=("127.0.0.1:1",),  # never started: the test plays its control session
+                        poll_interval_s=0.01,
+                        kv_endpoint=store.endpoint,
+                        holder_status_endpoint=store.status_endpoint,
+                    )
+                )
+                agent.up = True
+                agents.append(agent)
+            beats.append(asyncio.create_task(heartbeat(gw, rec, server, agent)))
         await wait_until(lambda: gw.monitor.healthy_count() == 2, 5.0)
         yield gw, servers, tiers
     finally:
@@ -114,13 +140,29 @@ async def two_servers_with_holders() -> AsyncIterator[
             await s.stop()
         for st in stores:
             st.close()
+        for agent in agents:
+            if agent.holders is not None:
+                agent.holders.close()
 
 
-async def heartbeat(gw: Gateway, rec: Any, server: SGLangStandIn) -> None:
-    """The sidecar agent's heartbeats: the server's load, until the server is gone."""
+async def heartbeat(gw: Gateway, rec: Any, server: SGLangStandIn, agent: Sidecar | None = None) -> None:
+    """The sidecar agent's heartbeats: the server's load, until the server is gone; with `agent`, the
+    agent's own beats (its holder report included), taken by the gateway as its control plane does."""
+    role = SGLangRole(agent) if agent is not None else None
+    seq = 0
     while not server.engine.closed:
         running, waiting = len(server.engine.running), len(server.engine.waiting)
-        gw.monitor.heartbeat(rec, pb.Heartbeat(phase=pb.SERVING, running=running, waiting=waiting))
+        if role is None or agent is None or agent.holders is None:
+            gw.monitor.heartbeat(rec, pb.Heartbeat(phase=pb.SERVING, running=running, waiting=waiting))
+        else:
+            agent.holder = await agent.holders.poll()
+            seq += 1
+            beat = role.heartbeat(seq, full=seq == 1)
+            beat.running, beat.waiting = running, waiting  # the stand-in serves no /v1/loads
+            gw.monitor.heartbeat(rec, beat)
+            if gw.monitor.workers.get(rec.id) is rec:
+                for hook in gw.control.heartbeat_hooks:
+                    hook(rec, beat)
         await asyncio.sleep(0.01)
 
 
@@ -146,6 +188,45 @@ async def test_an_interrupted_request_resumes_on_its_holder_and_restores_its_pag
         assert it.worker_id == serving and it.resumed_on == holder and it.action == "restore"
         assert it.restored_tokens >= len(keys) * PS  # the prompt's pages, restored not recomputed
         assert tiers[holder].restored[-1][1] == it.restored_tokens
+
+
+async def test_the_holders_durable_prefix_reaches_the_gateway_and_dispatch() -> None:
+    """The agent reports the holder store's durable tokens for the SGLang rid its pages were filed
+    under; the gateway books them on the attempt's checkpoint and dispatch restores for |C_r| > tau."""
+    async with two_servers_with_holders(report_holders=True, **{"recovery.tau": 64}) as (gw, servers, tiers):
+        prompt = [32 + (7 * i) % 90 for i in range(300)]  # 4 full pages of 64, and a tail
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{gw.http_port}") as http:
+            task = asyncio.create_task(stream_ids(http, prompt, False, 120))
+            serving = await wait_for_serving(servers, prompt)
+            holder = "sgB" if serving == "sgA" else "sgA"
+            keys = page_keys(prompt[: len(prompt) - 1], PS)
+            await wait_until(lambda: tiers[holder].store.batch_exists(keys) == len(keys), 5.0)
+            assert gw.checkpoints is not None
+            books = gw.checkpoints
+            # the holder's report, booked on the attempt's checkpoint (keyed by the SGLang rid)
+            await wait_until(
+                lambda: any(ck.holders.get(holder, 0) >= len(keys) * PS for ck in books.by_wrid.values()), 5.0
+            )
+            (ck,) = [ck for ck in books.by_wrid.values() if holder in ck.holders]
+            assert ck.wrid == sglang_rid(f"{ck.session_rid}-1") and ck.serving == serving
+            assert {live.req.rid for live in servers[serving].engine.running} == {ck.wrid}
+            durable = ck.holders[holder]
+            assert gw.monitor.workers[holder].ckpt_tokens >= durable
+            await wait_until(
+                lambda: all(len(r.output_ids) >= 10 for r in servers[serving].engine.running), 5.0
+            )
+            await servers[serving].kill()
+            ids = await asyncio.wait_for(task, 30.0)
+        assert ids == expected_ids(prompt, 120, 0.0)
+        assert gw.sessions is not None
+        (session,) = gw.sessions.recent_interrupted
+        (it,) = session.interruptions
+        assert it.worker_id == serving and it.resumed_on == holder and it.action == "restore"
+        seen = re.search(r"\|C_r\|=(\d+) > tau=64", it.dispatch_reason)  # dispatch saw the durable prefix
+        assert seen is not None and int(seen[1]) >= durable >= len(keys) * PS, it.dispatch_reason
+        assert it.restored_tokens >= len(keys) * PS
+        # the request ended: its checkpoint is dropped from the books
+        await wait_until(lambda: ck.wrid not in books.by_wrid, 5.0)
 
 
 async def wait_for_serving(servers: dict[str, SGLangStandIn], prompt: list[int]) -> str:

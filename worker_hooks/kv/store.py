@@ -231,6 +231,10 @@ class CheckpointStore:
         chain = self._chains.get(rid)
         return chain.durable_tokens if chain else 0
 
+    def durable_map(self, limit: int | None = None) -> dict[str, int]:
+        """Durable tokens of the requests held, at most `limit` of them (the oldest first)."""
+        return {rid: c.durable_tokens for rid, c in itertools.islice(self._chains.items(), limit)}
+
     def durable_deltas(self) -> dict[str, int]:
         """Durable tokens of every request that changed since the last call (0 = no longer held)."""
         out: dict[str, int] = {}

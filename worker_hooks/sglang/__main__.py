@@ -128,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="its holder budget (default: holder_budget_bytes of the launch args' storage config)",
     )
+    p.add_argument(
+        "--holder-status-endpoint",
+        help="its holder stores' status sockets (default: status_endpoint of the launch args' storage "
+        "config, else derived from the holder endpoint)",
+    )
+    p.add_argument(
+        "--holder-shards",
+        type=int,
+        default=0,
+        help="holder stores (ranks) whose status to poll (default: the TP size)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -254,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             ckpt_budget_bytes=args.ckpt_budget_bytes
             if args.ckpt_budget_bytes is not None
             else int(str(storage.get("holder_budget_bytes", 0))),
+            holder_status_endpoint=args.holder_status_endpoint
+            if args.holder_status_endpoint is not None
+            else str(storage.get("status_endpoint") or ""),
+            holder_shards=args.holder_shards,
         )
     except ValueError as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)

@@ -11,6 +11,12 @@ differs from Lumen's engine:
   summed over DP ranks, from the last answer of `GET /v1/loads?include=core`, which the agent polls at
   its own modest rate (`poll_interval_s`) and reuses between polls; the phase is LOADING_FULL until
   `GET /ready` answers 200, then SERVING (DRAINING once the gateway says Drain);
+- with Lumen's storage backend in the server (a `kv_endpoint`), heartbeats also report its holder
+  stores as Lumen's own workers report theirs: bytes used, tokens held, and the durable tokens of each
+  request held (those that changed since the previous beat, all of them in a session's first beat),
+  from the last answer of the stores' status sockets (`holder_report`), polled at `poll_interval_s`
+  with a timeout of the same, one socket per rank (`holder_shards`, default `tp`), the minimum over
+  ranks;
 - when the gateway fences the session (ends the stream), the agent asks the server to abort what it
   runs (`POST /abort_request {"rid": "", "abort_all": true}`) and re-attaches as a new incarnation.
   With several gateways it does not: SGLang aborts by rid prefix or all at once, the agent cannot
@@ -54,6 +60,7 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.sglang import SGLangAbort, SGLangLoads
 from worker_hooks.control import ControlClient
+from worker_hooks.sglang.holder_report import DurableReporter, HolderPoller, HolderReport
 from worker_hooks.sglang.launcher import (
     LaunchError,
     ServerExit,
@@ -62,6 +69,7 @@ from worker_hooks.sglang.launcher import (
     seeded_command,
     weights_group_ports,
 )
+from worker_hooks.sglang.page_store import shard_endpoint, status_endpoint_for
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +100,10 @@ class SidecarConfig:
     # reported in Hello so the gateway can make this server a checkpoint holder ("": it holds nothing)
     kv_endpoint: str = ""
     ckpt_budget_bytes: int = 0
+    # its holder stores' status sockets (shard 0; rank r at shard_endpoint(base, r)); "": derived from
+    # kv_endpoint (`page_store.status_endpoint_for`), as the storage backend derives it
+    holder_status_endpoint: str = ""
+    holder_shards: int = 0  # holder stores (ranks) to poll; 0: tp
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -102,6 +114,8 @@ class SidecarConfig:
             raise ValueError("poll_interval_s must be > 0 and poll_misses >= 1")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, not {self.tp}")
+        if self.holder_shards < 0:
+            raise ValueError(f"holder_shards must be >= 0, not {self.holder_shards}")
         if self.seed_wait_s < 0 or self.seed_timeout_s <= 0:
             raise ValueError("seed_wait_s must be >= 0 and seed_timeout_s > 0")
         if self.weights_group_ports and len(self.weights_group_ports) < self.tp:
@@ -114,6 +128,13 @@ class SidecarConfig:
         if self.weights_group_ports:
             return list(self.weights_group_ports[: self.tp])
         return weights_group_ports(host_port(self.url)[1], self.tp)
+
+    def status_endpoints(self) -> list[str]:
+        """The status sockets of the server's holder stores, rank order (none without a kv_endpoint)."""
+        if not self.kv_endpoint:
+            return []
+        base = self.holder_status_endpoint or status_endpoint_for(self.kv_endpoint)
+        return [shard_endpoint(base, r) for r in range(self.holder_shards or self.tp)]
 
 
 class Source(StrEnum):
@@ -160,6 +181,7 @@ class SGLangRole:
         self._incarnation = now_us()
         self.draining = False
         self.reload_reported = 0  # the seq of the last Reload this gateway was told of
+        self.durable = DurableReporter()  # what this gateway was told of the holder stores
 
     @property
     def worker_id(self) -> str:
@@ -204,6 +226,14 @@ class SGLangRole:
             kv_tokens_used=sum(r.num_used_tokens for r in ranks),
             awaiting_seed=self.sidecar.awaiting_seed,
         )
+        held = self.sidecar.holder
+        if held is not None:
+            beat.ckpt_bytes_used = held.bytes_used
+            beat.ckpt_tokens_held = held.tokens_held
+        if self.sidecar.holders is not None:
+            beat.durable.extend(
+                pb.DurableTokens(rid=r, tokens=t) for r, t in self.durable.beat(held, full=full).items()
+            )
         reload = self.sidecar.reload
         if phase != pb.LOADING_FULL and reload is not None and reload.seq > self.reload_reported:
             self.reload_reported = reload.seq  # once, with the first serving beat after it
@@ -220,8 +250,8 @@ class SGLangRole:
         elif kind == "reload_from":
             self.sidecar.offer_seed(msg.reload_from.seed_worker_id, msg.reload_from.seed_url)
         else:
-            # holders, checkpoints and draft assist need Lumen's engine; the gateway sends none to an
-            # SGLang worker (its Hello offers no KV or draft endpoint)
+            # holder assignment and draft assist need Lumen's engine; a DropCheckpoint for the server's
+            # holder stores is not forwarded (the writer's END or the stores' orphan TTL frees the pages)
             log.info("command ignored: not for an SGLang server", worker_id=self.worker_id, command=kind)
 
     async def reset(self) -> None:
@@ -253,6 +283,10 @@ class Sidecar:
         self.loads: SGLangLoads | None = None  # the last /v1/loads answer
         self.generation = 0  # bumped when the server is lost: polls begun before do not count
         self.last_ready = 0.0  # loop time of the last 200 from /ready
+        # the server's holder stores (with a kv_endpoint): the poller and its last report
+        endpoints = cfg.status_endpoints()
+        self.holders = HolderPoller(endpoints, timeout_s=cfg.poll_interval_s) if endpoints else None
+        self.holder: HolderReport | None = None
         self.clients = [
             ControlClient(
                 SGLangRole(self), address, token=cfg.token, heartbeat_interval_ms=cfg.heartbeat_interval_ms
@@ -300,6 +334,8 @@ class Sidecar:
             await self.server.spawn()  # first, so the first Hello names its pid
             self._tasks.append(asyncio.create_task(self._run_server(), name="sglang-server"))
         self._tasks.append(asyncio.create_task(self._poll(), name="sglang-poll"))
+        if self.holders is not None:
+            self._tasks.append(asyncio.create_task(self._poll_holders(), name="sglang-holder-poll"))
         for c in self.clients:
             await c.start()
         self.emit("started", url=self.cfg.url, gateways=list(self.cfg.gateways))
@@ -320,6 +356,8 @@ class Sidecar:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self.holders is not None:
+            self.holders.close()
 
     # -- what the server does -------------------------------------------------------------------
     def server_lost(self, reason: str) -> None:
@@ -329,6 +367,9 @@ class Sidecar:
             return
         self.up = False
         self.loads = None
+        self.holder = None
+        if self.holders is not None:
+            self.holders.forget()
         ended = sum(c.end_session(reason) for c in self.clients)
         self.emit("server_lost", reason=reason, sessions_ended=ended)
         log.warning("server lost", worker_id=self.cfg.worker_id, reason=reason, sessions_ended=ended)
@@ -497,6 +538,18 @@ class Sidecar:
                 elif self.up and now - self.last_ready >= window:
                     self.server_lost(f"/ready {probe.value} for {1000 * (now - self.last_ready):.0f} ms")
             await asyncio.sleep(cfg.poll_interval_s)
+
+    async def _poll_holders(self) -> None:
+        """The holder stores' status, at the poll interval; heartbeats read the last report."""
+        assert self.holders is not None
+        while True:
+            generation = self.generation
+            report = await self.holders.poll()
+            if generation != self.generation:  # the server was lost meanwhile: its answers with it
+                self.holders.forget()
+            elif self.up:
+                self.holder = report
+            await asyncio.sleep(self.cfg.poll_interval_s)
 
     async def _probe_ready(self, timeout_s: float) -> Probe:
         assert self._http is not None

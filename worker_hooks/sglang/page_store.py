@@ -31,6 +31,13 @@ page size and host memory layout (SGLang requires the same of any storage reader
 (MLA) KV cache is written by one rank only (SGLang's `is_storage_writer`) and read by all: its writer
 sends each page to every TP rank of the holder, so each holder rank has a copy in its own process.
 
+Status (for the sidecar agent's heartbeats): next to its holder store each rank answers a local ZMQ REP
+socket at `status_bind` (`gateway.protocol.holder_status`): the store's bytes used, tokens held and
+durable tokens per held request, keyed by the rid the pages were filed under. The answer is built under
+the store's lock in one pass over the held requests (bounded by `MAX_STATUS_REQUESTS`) and encoded
+after it; a request of another version is answered with an error. A status endpoint that cannot be
+bound is logged and left out: the store still holds and serves pages.
+
 Budget: the holder store keeps its byte budget and eviction policy (`CheckpointStore`); the writer's
 memory is bounded by `max_pending_bytes` (pages copied but not yet queued by the KV plane's loop) and
 the sender's `max_lag_bytes` per holder.
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib
 import threading
 import time
@@ -68,6 +76,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from gateway.protocol import holder_status as hs
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import Eviction
 from gateway.protocol.pagekeys import page_keys
@@ -82,6 +91,7 @@ START_TIMEOUT_S: Final = 10.0
 EXPIRE_PERIOD_MAX_S: Final = 5.0
 MAX_CACHED_ENDPOINTS: Final = 4096
 MAX_TRACKED: Final = 1 << 16  # requests whose last queued page (or abandonment) the store remembers
+STATUS_IPC_DIR: Final = "/tmp"  # where derived status sockets live (same host as the agent)
 
 
 # -- routing --------------------------------------------------------------------------------------
@@ -248,6 +258,17 @@ def shard_endpoint(base: str, shard: int) -> str:
     raise ValueError(f"unsupported endpoint {base!r} (tcp://, ipc:// or inproc://)")
 
 
+def status_endpoint_for(holder_endpoint: str) -> str:
+    """The default base (shard 0) endpoint of the status sockets of the holder whose shard-0 holder
+    endpoint is `holder_endpoint`; shard s answers at `shard_endpoint(base, s)`, beside its holder
+    store. A local ipc socket named by a hash of the holder endpoint as written in the storage config,
+    so the agent on the same host derives the same one from the same config without a second port:
+    `ipc:///tmp/lumen-holder-status-<16 hex digits of blake2b(holder_endpoint)>` (+ `.shard<n>`).
+    The `"lumen"` option `status_endpoint` overrides it (e.g. for an agent in another container)."""
+    digest = hashlib.blake2b(holder_endpoint.encode(), digest_size=8).hexdigest()
+    return f"ipc://{STATUS_IPC_DIR}/lumen-holder-status-{digest}"
+
+
 # -- configuration --------------------------------------------------------------------------------
 class LumenStorageOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The `"lumen"` object of SGLang's `--hicache-storage-backend-extra-config` (docs/sglang.md)."""
@@ -257,6 +278,9 @@ class LumenStorageOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     # where this server's holder store listens (shard 0; shard s: `shard_endpoint`); None: no store
     holder_endpoint: str | None = None
     holder_budget_bytes: int = 0  # host memory for other workers' pages, whole server (split by shard)
+    # the holder's status sockets (shard 0; shard s: `shard_endpoint`), which the agent polls; None:
+    # `status_endpoint_for(holder_endpoint)`
+    status_endpoint: str | None = None
     eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
     # SGLang writes a request's pages after prefill and at finish, nothing while it decodes: a holder
     # must keep a quiet checkpoint far longer than Lumen's own (30 s, refreshed every step)
@@ -277,6 +301,8 @@ class LumenStorageOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError("lumen.orphan_ttl_s, frame_bytes, max_lag_bytes, max_pending_bytes must be > 0")
         if self.holder_endpoint is not None:
             shard_endpoint(self.holder_endpoint, 0)  # a malformed endpoint is refused here, not at bind
+        if self.status_endpoint is not None:
+            shard_endpoint(self.status_endpoint, 0)
 
 
 def options_from_extra_config(extra_config: dict[str, Any] | None) -> LumenStorageOptions:
@@ -311,6 +337,7 @@ class PageStoreConfig:
     shard: int = 0  # this rank's store (`ShardLayout.own`)
     write_to: tuple[int, ...] | None = None  # holder ranks its pages go to (None: (shard,))
     holder_bind: str | None = None  # this rank's store endpoint ("tcp://127.0.0.1:0" picks a port)
+    status_bind: str | None = None  # its status socket (with a holder store only); None: none
     budget_bytes: int = 0  # this rank's store budget
     eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
     orphan_ttl_s: float = 30.0
@@ -322,13 +349,18 @@ class PageStoreConfig:
 
     @classmethod
     def for_rank(cls, opts: LumenStorageOptions, layout: ShardLayout) -> PageStoreConfig:
-        bind = shard_endpoint(opts.holder_endpoint, layout.own) if opts.holder_endpoint is not None else None
+        bind = status = None
+        if opts.holder_endpoint is not None:
+            bind = shard_endpoint(opts.holder_endpoint, layout.own)
+            base = opts.status_endpoint or status_endpoint_for(opts.holder_endpoint)
+            status = shard_endpoint(base, layout.own)
         return cls(
             worker_id=opts.worker_id,
             incarnation=opts.incarnation,
             shard=layout.own,
             write_to=layout.write_to,
             holder_bind=bind,
+            status_bind=status,
             budget_bytes=opts.holder_budget_bytes // layout.count,
             eviction=opts.eviction,
             orphan_ttl_s=opts.orphan_ttl_s,
@@ -411,6 +443,8 @@ class PageStore:
         self._write_to = config.write_to if config.write_to is not None else (config.shard,)
         self._endpoints: dict[str, tuple[str, ...]] = {}  # base holder endpoint -> the ones written to
         self.endpoint = ""
+        self.status_endpoint = ""  # where the status socket listens ("" without one)
+        self._status_answers = 0
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
@@ -616,6 +650,25 @@ class PageStore:
                 holder=holder,
             )
 
+    def holder_status(self, max_requests: int = hs.MAX_STATUS_REQUESTS) -> hs.HolderStatus:
+        """What the status socket answers: the local holder store now (empty without one)."""
+        store = self.store
+        if store is None:
+            return hs.HolderStatus(shard=self.config.shard)
+        limit = max(0, min(max_requests, hs.MAX_STATUS_REQUESTS))
+        with self._lock:  # one pass over the held requests, no copy of pages
+            s = store.stats()
+            durable = store.durable_map(limit)
+        return hs.HolderStatus(
+            shard=self.config.shard,
+            budget_bytes=s.budget_bytes,
+            bytes_used=s.bytes_used,
+            tokens_held=s.tokens_held,
+            requests=s.requests,
+            durable=durable,
+            truncated=len(durable) < s.requests,
+        )
+
     def clear(self) -> None:
         """Forget every page held locally (SGLang's `clear`, e.g. /flush_cache)."""
         if self.store is None:
@@ -675,6 +728,7 @@ class PageStore:
         ctx = zmq.asyncio.Context()
         server: StoreServer | None = None
         expire: asyncio.Task[None] | None = None
+        status: asyncio.Task[None] | None = None
         cfg = self.config
         try:
             self._sender = CheckpointSender(
@@ -691,17 +745,50 @@ class PageStore:
                 server = _LockedStoreServer(self.store, cfg.holder_bind, ctx=ctx, lock=self._lock)
                 endpoint = await server.start()
                 expire = asyncio.create_task(self._expire(), name=f"lumen-pages-expire-{cfg.shard}")
+                if cfg.status_bind is not None:
+                    status = self._start_status(ctx, cfg.status_bind)
             started.set_result(endpoint)
             await self._stop.wait()
         finally:
-            if expire is not None:
-                expire.cancel()
-                await asyncio.gather(expire, return_exceptions=True)
+            for task in (expire, status):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if self._sender is not None:
                 await self._sender.close(drain_timeout_s=cfg.drain_timeout_s)
             if server is not None:
                 await server.close()
             ctx.term()  # every socket is closed; waits at most for the sender's linger
+
+    def _start_status(self, ctx: zmq.asyncio.Context, bind: str) -> asyncio.Task[None] | None:
+        """Bind the status socket and serve it; None (logged) when it cannot be bound."""
+        sock = ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # a request is a few bytes
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            log.warning(
+                "holder_status_bind_failed", endpoint=bind[:200], shard=self.config.shard, error=str(exc)
+            )
+            return None
+        self.status_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return asyncio.create_task(self._serve_status(sock), name=f"lumen-pages-status-{self.config.shard}")
+
+    async def _serve_status(self, sock: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                frames = await sock.recv_multipart(copy=True)
+                req = hs.decode_request(frames[0]) if len(frames) == 1 else "one frame expected"
+                if isinstance(req, str):
+                    answer = hs.HolderStatus(error=req, shard=self.config.shard)
+                else:
+                    answer = self.holder_status(req.max_requests)
+                await sock.send(hs.encode(answer), copy=False)
+                self._status_answers += 1
+        finally:
+            sock.close(0)
 
     def _request_stop(self) -> None:
         if self._stop is not None:
