@@ -8,6 +8,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 from gateway.core.modes import MODES
@@ -135,9 +136,16 @@ def _usage(message: str) -> SystemExit:
     return SystemExit(2)
 
 
+def admin_key(env: Mapping[str, str]) -> str | None:
+    """The admin key `lumen cluster kill/status` present: the first of LUMEN_ADMIN_API_KEYS (the
+    variable the gateway reads its admin keys from), else LUMEN_ADMIN_API_KEY."""
+    keys = [k.strip() for k in env.get("LUMEN_ADMIN_API_KEYS", "").split(",") if k.strip()]
+    return keys[0] if keys else env.get("LUMEN_ADMIN_API_KEY") or None
+
+
 def _admin(port: int, method: str, path: str) -> Any:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
-    key = os.environ.get("LUMEN_ADMIN_API_KEY")
+    key = admin_key(os.environ)
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:

@@ -28,6 +28,10 @@ def decode_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from exc
+    except UnicodeDecodeError as exc:  # msgspec raises it for invalid UTF-8 inside a string
+        raise InvalidRequest(
+            f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}", code="invalid_json"
+        ) from exc
     if not isinstance(value, dict):
         raise InvalidRequest(
             f"request body must be a JSON object, got {json_type(value)}", code="invalid_json"

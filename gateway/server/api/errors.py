@@ -20,11 +20,19 @@ __all__ = [
     "PromptTooLong",
     "RequestTooLarge",
     "Unauthorized",
+    "UnreadableBody",
     "UpstreamFailed",
     "UpstreamRejected",
 ]
 
 GatewayError = OpenAIError
+
+
+class UnreadableBody(InvalidRequest):
+    """A body the server cannot decode (a broken compressed stream): after it the connection's input
+    is in an unknown state, so the answer closes the connection."""
+
+    code = "invalid_encoding"
 
 
 class RequestTooLarge(GatewayError):

@@ -14,7 +14,7 @@ import structlog
 from aiohttp import hdrs, web
 
 from gateway.protocol.openai.errors import error_body
-from gateway.server.api.errors import GatewayError, NotFound, RequestTooLarge, Unauthorized
+from gateway.server.api.errors import GatewayError, NotFound, RequestTooLarge, Unauthorized, UnreadableBody
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +32,8 @@ def json_error(
 
 def error_response(exc: GatewayError) -> web.Response:
     headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if isinstance(exc, Unauthorized) else None
+    if isinstance(exc, UnreadableBody):
+        headers = {hdrs.CONNECTION: "close"}
     return web.Response(
         status=exc.status,
         body=msgspec.json.encode(exc.body()),

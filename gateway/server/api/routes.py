@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from gateway.config import Config
 from gateway.protocol.openai.envelopes import (
@@ -48,7 +48,13 @@ from gateway.protocol.openai.requests import (
 from gateway.server.api.auth import check_bearer
 from gateway.server.api.chat_template import ChatTemplate
 from gateway.server.api.detokenize import Detokenizer
-from gateway.server.api.errors import GatewayError, ModelNotFound, RequestTooLarge
+from gateway.server.api.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    RequestTooLarge,
+    UnreadableBody,
+)
 from gateway.server.api.formats import Format, NativeFormat, OpenAIFormat
 from gateway.server.api.generation import Choices, Generation
 from gateway.server.api.jobs import GenerateJob, Generator, Sampling
@@ -174,15 +180,29 @@ def _labels(request: web.Request, endpoint: str) -> dict[str, str]:
     return labels
 
 
+# what aiohttp decompresses for us (a body in another encoding would reach the JSON parser as bytes)
+READABLE_ENCODINGS = ("identity", "gzip", "deflate")
+
+
 async def read_json(request: web.Request, limit: int) -> dict[str, object]:
     """The body as one JSON object, refusing (413) more than `limit` bytes before reading them all."""
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"the request body has {request.content_length} bytes; the limit is {limit}")
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding not in READABLE_ENCODINGS:
+        raise InvalidRequest(
+            f"Content-Encoding {encoding!r} is not supported (use one of {', '.join(READABLE_ENCODINGS)})",
+            param="Content-Encoding",
+            code="unsupported_encoding",
+        )
     buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise RequestTooLarge(f"the request body exceeds the limit of {limit} bytes")
+    try:
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                raise RequestTooLarge(f"the request body exceeds the limit of {limit} bytes")
+    except web.RequestPayloadError as exc:  # e.g. a gzip body that is not gzip
+        raise UnreadableBody(f"the request body could not be read as {encoding}") from exc
     return decode_object(bytes(buf))
 
 
