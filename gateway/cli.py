@@ -185,7 +185,7 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from gateway.protocol.launch import EngineSpec, encode_spec
+    from gateway.protocol.launch import EngineSpec, worker_env
 
     spec = EngineSpec(
         worker_id=args.id,
@@ -203,7 +203,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         torch_dtype=args.torch_dtype,
         torch_device=args.torch_device,
     )
-    os.execv(sys.executable, [sys.executable, "-m", "worker_hooks.engine", "--spec", encode_spec(spec)])
+    # the spec holds the control token: pass it in the environment, not on the command line
+    os.execve(
+        sys.executable, [sys.executable, "-m", "worker_hooks.engine"], worker_env(dict(os.environ), spec)
+    )
     return 0  # not reached
 
 

@@ -33,6 +33,7 @@ class ClusterProcess:
         overrides: dict[str, Any] | None = None,
         log_dir: Path | None = None,
         ready_timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -56,6 +57,7 @@ class ClusterProcess:
         for k, v in (overrides or {}).items():
             cmd += ["--set", f"{k}={json.dumps(v)}"]
         self.cmd = cmd
+        self.env = None if env is None else {**os.environ, **env}
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[str] | None = None
         self.ready: dict[str, Any] = {}
@@ -66,7 +68,9 @@ class ClusterProcess:
     def __enter__(self) -> ClusterProcess:
         self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
         self._stderr = self.stderr_path.open("w")
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=self.env
+        )
         deadline = time.monotonic() + self.ready_timeout_s
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:

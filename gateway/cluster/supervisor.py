@@ -21,7 +21,7 @@ import structlog
 
 from gateway.cluster.procs import stop_processes
 from gateway.config import Config, draft_for, recovery_policy
-from gateway.protocol.launch import EngineSpec, encode_spec
+from gateway.protocol.launch import EngineSpec, worker_env
 from gateway.server.api.errors import NotFound
 
 log = structlog.get_logger("lumen.cluster")
@@ -147,14 +147,14 @@ class LocalCluster:
     # -- internals -------------------------------------------------------------------------------
     async def _spawn(self, wp: WorkerProcess, *, restart: bool) -> None:
         spec = wp.spec if not restart else _with_restart(wp.spec)
-        env = dict(os.environ, LUMEN_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
+        # the spec (with the control token) travels in the environment, not on the command line, and
+        # the worker does not inherit the gateway's client and admin keys
+        env = worker_env(dict(os.environ), spec, LUMEN_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
         with wp.log_path.open("ab") as logf:
             wp.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
                 "worker_hooks.engine",
-                "--spec",
-                encode_spec(spec),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=logf,
                 stderr=logf,

@@ -89,6 +89,21 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
 
 
+# a supervisor hands a worker its spec in this environment variable, never on the command line: the
+# spec can hold the control-plane token, and any user on the host can read a process's argv
+SPEC_ENV = "LUMEN_ENGINE_SPEC"
+# what a worker process must not inherit from the gateway's environment (client and admin keys)
+GATEWAY_SECRETS_ENV = ("LUMEN_API_KEYS", "LUMEN_ADMIN_API_KEYS", "LUMEN_ADMIN_API_KEY", "LUMEN_CONTROL_TOKEN")
+
+
+def worker_env(parent: dict[str, str], spec: EngineSpec, **extra: str) -> dict[str, str]:
+    """A worker process's environment: the parent's without the gateway's secrets, plus the spec."""
+    env = {k: v for k, v in parent.items() if k not in GATEWAY_SECRETS_ENV}
+    env.update(extra)
+    env[SPEC_ENV] = encode_spec(spec)
+    return env
+
+
 def encode_spec(spec: EngineSpec) -> str:
     return msgspec.json.encode(spec).decode()
 

@@ -1,4 +1,4 @@
-"""Run one worker: `python -m worker_hooks.engine --spec '<EngineSpec JSON>'` (or `--spec-file PATH`).
+"""Run one worker: `python -m worker_hooks.engine` with its EngineSpec JSON in LUMEN_ENGINE_SPEC (a supervisor's way), or `--spec '<JSON>'` / `--spec-file PATH`.
 
 On start it prints one JSON line to stdout,
 `{"event": "listening", "worker_id", "url", "incarnation", "kv_endpoint", "draft_endpoint"}`,
@@ -22,7 +22,7 @@ import msgspec
 import structlog
 import uvloop
 
-from gateway.protocol.launch import EngineSpec, decode_spec
+from gateway.protocol.launch import SPEC_ENV, EngineSpec, decode_spec
 from worker_hooks.engine.service import start_worker
 
 
@@ -87,11 +87,19 @@ async def serve(spec: EngineSpec) -> None:
 
 def parse_spec(argv: list[str] | None) -> EngineSpec:
     parser = argparse.ArgumentParser(prog="python -m worker_hooks.engine", description=__doc__)
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--spec", help="EngineSpec as JSON")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--spec", help=f"EngineSpec as JSON (default: the {SPEC_ENV} environment variable)")
     group.add_argument("--spec-file", type=Path, help="file holding the EngineSpec JSON")
     args = parser.parse_args(argv)
-    text = args.spec if args.spec is not None else args.spec_file.read_text()
+    if args.spec is not None:
+        text = args.spec
+    elif args.spec_file is not None:
+        text = args.spec_file.read_text()
+    else:
+        # a supervisor's way (the spec may hold the control token); not passed on to our children
+        text = os.environ.pop(SPEC_ENV, "")
+        if not text:
+            parser.error(f"no EngineSpec: give --spec, --spec-file or the {SPEC_ENV} environment variable")
     try:
         spec = decode_spec(text)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
