@@ -119,7 +119,10 @@ async def test_mode_none_surfaces_the_failure(cluster_factory) -> None:
     assert all("recovery mode is 'none'" in (r.error or "") for r in failed)
     # requests on the survivors are untouched
     assert all(r.text == expected_text(r) for r in results if r.ok)
-    assert len(failed) <= killed["victim"]["running"] + killed["victim"]["waiting"] + 2
+    # only the victim's requests fail: those it reported, or those the gateway had routed to it and it
+    # had not reported yet (its heartbeats lag by an interval; more so on a busy machine)
+    victim = killed["victim"]
+    assert len(failed) <= max(victim["running"] + victim["waiting"], victim["inflight"]) + 2
 
 
 async def test_stalled_engine_with_live_heartbeats_is_caught_by_the_stall_timeout(cluster_factory) -> None:
