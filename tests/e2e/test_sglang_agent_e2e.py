@@ -239,6 +239,7 @@ async def test_a_busy_sglang_server_killed_mid_stream_is_invisible_to_clients(tm
         )
 
 
+@pytest.mark.slow  # the default run keeps the agent kill-detection e2e and its in-process twin
 async def test_a_server_killed_by_the_cluster_is_failed_within_100_ms_on_the_gateways_clock(
     tmp_path: Path,
 ) -> None:

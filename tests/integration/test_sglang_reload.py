@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from gateway.core.health import WorkerState
 from gateway.core.load import estimated_load
@@ -147,6 +148,7 @@ async def test_a_killed_server_reloads_from_the_least_loaded_survivor(tmp_path: 
         )
 
 
+@pytest.mark.slow  # the disk fallbacks; the default run keeps the seeded reload
 async def test_a_seeded_server_that_fails_is_launched_again_from_storage(tmp_path: Path) -> None:
     async with (
         gateway() as gw,
@@ -174,6 +176,7 @@ async def test_a_seeded_server_that_fails_is_launched_again_from_storage(tmp_pat
         )
 
 
+@pytest.mark.slow  # the disk fallbacks; the default run keeps the seeded reload
 async def test_a_seed_not_ready_in_time_is_killed_and_storage_used(tmp_path: Path) -> None:
     async with (
         gateway() as gw,
@@ -191,6 +194,7 @@ async def test_a_seed_not_ready_in_time_is_killed_and_storage_used(tmp_path: Pat
         assert "(disk)" in back.reason and "seed s1 failed" in back.reason
 
 
+@pytest.mark.slow  # the disk fallbacks; the default run keeps the seeded reload
 async def test_with_no_survivor_of_the_same_deployment_it_loads_from_storage(tmp_path: Path) -> None:
     """s1 serves another TP: not a seed. The agent waits seed_wait_s for nothing, then loads from disk."""
     async with (
