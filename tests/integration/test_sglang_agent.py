@@ -262,7 +262,8 @@ async def test_a_busy_server_killed_mid_stream_leaves_every_stream_exact() -> No
             i
             for s in gw.sessions.recent_interrupted
             for i in s.interruptions
-            if i.worker_id == "s0" and i.emitted_before > 0
+            # a stream that broke after its last token has nothing to resume: it finishes as it is
+            if i.worker_id == "s0" and 0 < i.emitted_before < s.job.sampling.max_new_tokens
         ]
         assert len(cut) >= 3 and all(i.resumed_on == "s1" for i in cut)
 
