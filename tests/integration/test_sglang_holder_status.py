@@ -21,11 +21,10 @@ from tests.integration.test_sglang_agent import gateway, heartbeat, sidecar, sta
 from worker_hooks.kv.payload import page_bytes
 from worker_hooks.sglang.agent import SGLangRole, SidecarConfig
 from worker_hooks.sglang.holder_report import DurableReporter, HolderPoller, HolderReport, merge
-from worker_hooks.sglang.page_store import (
+from worker_hooks.sglang.page_routes import RequestRoutes
+from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+from worker_hooks.sglang.storage_layout import (
     LumenStorageOptions,
-    PageStore,
-    PageStoreConfig,
-    RequestRoutes,
     shard_endpoint,
     shard_layout,
     status_endpoint_for,

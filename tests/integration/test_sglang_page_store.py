@@ -21,12 +21,10 @@ import pytest
 from gateway.protocol.pagekeys import namespace_seed, page_keys
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, greedy_ids, start_standin
 from worker_hooks.kv.payload import page_bytes, verify
-from worker_hooks.sglang.page_store import (
+from worker_hooks.sglang.page_routes import PageRoute, RequestRoutes
+from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+from worker_hooks.sglang.storage_layout import (
     LumenStorageOptions,
-    PageRoute,
-    PageStore,
-    PageStoreConfig,
-    RequestRoutes,
     ShardLayout,
     options_from_extra_config,
     shard_endpoint,

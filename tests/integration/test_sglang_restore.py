@@ -29,7 +29,8 @@ from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_sta
 from tests.integration.test_sglang_gateway import stream_ids, wait_until
 from worker_hooks.kv.payload import page_bytes, verify
 from worker_hooks.sglang.agent import SGLangRole, Sidecar, SidecarConfig
-from worker_hooks.sglang.page_store import PageStore, PageStoreConfig, RequestRoutes
+from worker_hooks.sglang.page_routes import RequestRoutes
+from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
 
 PS = 64
 PAGE_BYTES = 2048

@@ -33,7 +33,8 @@ from sglang.srt.server_args import ServerArgs
 from gateway.protocol.pagekeys import namespace_seed, page_keys
 from tests.sglang.host_pools import MhaPageFirstPool, MlaPageFirstPool, fill_random, page_bytes
 from worker_hooks.sglang.hicache_backend import LumenHiCacheStorage, live_backends
-from worker_hooks.sglang.page_store import RequestRoutes, shard_endpoint
+from worker_hooks.sglang.page_routes import RequestRoutes
+from worker_hooks.sglang.storage_layout import shard_endpoint
 
 REPO = Path(__file__).resolve().parents[2]
 PS = 16

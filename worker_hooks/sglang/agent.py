@@ -69,7 +69,7 @@ from worker_hooks.sglang.launcher import (
     seeded_command,
     weights_group_ports,
 )
-from worker_hooks.sglang.page_store import shard_endpoint, status_endpoint_for
+from worker_hooks.sglang.storage_layout import shard_endpoint, status_endpoint_for
 
 log = structlog.get_logger(__name__)
 

@@ -42,17 +42,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from worker_hooks.sglang.page_store import (
-    PageRoute,
-    PageStore,
-    PageStoreConfig,
-    PageStoreStats,
-    RequestRoutes,
-    RouteLookup,
-    load_route_provider,
-    options_from_extra_config,
-    shard_layout,
-)
+from worker_hooks.sglang.page_routes import PageRoute, RequestRoutes, RouteLookup
+from worker_hooks.sglang.page_store import PageStore, PageStoreConfig, PageStoreStats
+from worker_hooks.sglang.storage_layout import load_route_provider, options_from_extra_config, shard_layout
 
 _live: weakref.WeakSet[LumenHiCacheStorage] = weakref.WeakSet()
 _live_lock = threading.Lock()

@@ -61,28 +61,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import importlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
-import msgspec
 import numpy as np
 import structlog
 import zmq
 import zmq.asyncio
 
 from gateway.protocol import holder_status as hs
-from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import Eviction
-from gateway.protocol.pagekeys import page_keys
 from worker_hooks.kv.receiver import StoreServer
 from worker_hooks.kv.sender import CheckpointSender
 from worker_hooks.kv.store import CheckpointStore, StoreStats
+from worker_hooks.sglang.page_routes import PageRoute, RouteLookup, no_routes
+from worker_hooks.sglang.storage_layout import (
+    LumenStorageOptions,
+    ShardLayout,
+    shard_endpoint,
+    status_endpoint_for,
+)
 
 log = structlog.get_logger("lumen.sglang.page_store")
 
@@ -91,243 +93,6 @@ START_TIMEOUT_S: Final = 10.0
 EXPIRE_PERIOD_MAX_S: Final = 5.0
 MAX_CACHED_ENDPOINTS: Final = 4096
 MAX_TRACKED: Final = 1 << 16  # requests whose last queued page (or abandonment) the store remembers
-STATUS_IPC_DIR: Final = "/tmp"  # where derived status sockets live (same host as the agent)
-
-
-# -- routing --------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class PageRoute:
-    """Where one page goes: request `rid`'s page number `page_index`, to `holders` (base endpoints)."""
-
-    rid: str
-    holders: tuple[str, ...]
-    page_index: int
-    token_ids: tuple[int, ...]  # the page's ids (len = page size)
-    parent_key: str | None  # key of page page_index - 1, or the chain's prior (namespace seed) for page 0
-
-
-RouteLookup = Callable[[str], Sequence[PageRoute]]
-
-
-@dataclass(slots=True, eq=False)
-class _Routed:
-    tokens: list[int]
-    holders: tuple[str, ...]
-    prior: str | None
-    keys: list[str] = field(default_factory=list)
-
-
-class RequestRoutes:
-    """Page key -> the live requests (and their holders) whose sequence holds that page. Thread-safe.
-
-    Memory: the token ids and page keys of every admitted request until `retire`; the filler retires a
-    request when it ends (or the gateway drops its checkpoint).
-    """
-
-    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
-        self._lock = threading.Lock()
-        self._reqs: dict[str, _Routed] = {}
-        self._by_key: dict[str, dict[str, int]] = {}  # key -> {rid: page index}
-
-    def admit(
-        self, rid: str, token_ids: Sequence[int], holders: Iterable[str], *, prior: str | None = None
-    ) -> list[str]:
-        """Route request `rid` (its whole sequence so far) to `holders`; returns its page keys.
-        `prior` is the chain's seed (`pagekeys.namespace_seed` of its extra_key / cache_salt)."""
-        with self._lock:
-            self._retire(rid)
-            req = self._reqs[rid] = _Routed([], tuple(dict.fromkeys(holders)), prior)
-            return self._extend(rid, req, token_ids)
-
-    def extend(self, rid: str, token_ids: Sequence[int]) -> list[str]:
-        """Tokens appended to `rid`'s sequence; returns the keys of the pages they completed."""
-        with self._lock:
-            req = self._reqs.get(rid)
-            return [] if req is None else self._extend(rid, req, token_ids)
-
-    def set_holders(self, rid: str, holders: Iterable[str]) -> None:
-        with self._lock:
-            req = self._reqs.get(rid)
-            if req is not None:
-                req.holders = tuple(dict.fromkeys(holders))
-
-    def retire(self, rid: str) -> None:
-        with self._lock:
-            self._retire(rid)
-
-    def rids(self) -> tuple[str, ...]:
-        with self._lock:
-            return tuple(self._reqs)
-
-    def __call__(self, key: str) -> list[PageRoute]:
-        ps = self.page_size
-        with self._lock:
-            out = []
-            for rid, idx in self._by_key.get(key, {}).items():
-                req = self._reqs[rid]
-                parent = req.keys[idx - 1] if idx else req.prior
-                ids = tuple(req.tokens[idx * ps : (idx + 1) * ps])
-                out.append(PageRoute(rid, req.holders, idx, ids, parent))
-            return out
-
-    def _extend(self, rid: str, req: _Routed, token_ids: Sequence[int]) -> list[str]:
-        ps = self.page_size
-        req.tokens.extend(int(t) for t in token_ids)
-        done = len(req.keys)
-        full = len(req.tokens) // ps
-        if full <= done:
-            return []
-        prior = req.keys[-1] if req.keys else req.prior
-        new = page_keys(req.tokens[done * ps : full * ps], ps, prior)
-        for i, key in enumerate(new):
-            self._by_key.setdefault(key, {})[rid] = done + i
-        req.keys.extend(new)
-        return new
-
-    def _retire(self, rid: str) -> None:
-        req = self._reqs.pop(rid, None)
-        if req is None:
-            return
-        for key in req.keys:
-            rids = self._by_key.get(key)
-            if rids is not None:
-                rids.pop(rid, None)
-                if not rids:
-                    del self._by_key[key]
-
-
-def no_routes(key: str) -> Sequence[PageRoute]:
-    """A lookup that routes nothing: a page store that only serves reads."""
-    return ()
-
-
-# -- shards ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ShardLayout:
-    """Which holder store a rank owns and which ones its writes go to, per server."""
-
-    own: int  # this rank's store (and endpoint offset)
-    write_to: tuple[int, ...]  # the holder ranks that need this rank's pages
-    count: int  # stores per server
-
-
-def shard_layout(
-    *,
-    tp_rank: int,
-    tp_size: int,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    rank_replicated: bool = False,
-) -> ShardLayout:
-    """One store per rank, numbered ((pp_rank · cp_size) + cp_rank) · tp_size + tp_rank. A TP-sharded
-    cache's rank writes to the same rank of the holder; a rank-replicated (MLA) cache's writer writes
-    to every TP rank of its (pp, cp) group, since each of them reads the whole page."""
-    for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size)):
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"{name} rank {rank} outside [0, {size})")
-    group = (pp_rank * cp_size + cp_rank) * tp_size
-    own = group + tp_rank
-    write_to = tuple(range(group, group + tp_size)) if rank_replicated else (own,)
-    return ShardLayout(own, write_to, pp_size * cp_size * tp_size)
-
-
-def shard_endpoint(base: str, shard: int) -> str:
-    """The endpoint of shard `shard` of the holder whose (shard 0) endpoint is `base`: tcp port + shard,
-    ipc/inproc path + `.shard<n>`. Shard 0 is `base` itself, so a one-shard SGLang holder and Lumen's
-    own engines share one addressing."""
-    if shard < 0:
-        raise ValueError(f"shard must be >= 0, got {shard}")
-    if base.startswith("tcp://"):
-        host, sep, port = base[len("tcp://") :].rpartition(":")
-        if not host or not sep or not port.isdigit():
-            raise ValueError(f"tcp endpoint needs host:port, got {base!r}")
-        if shard == 0:
-            return base
-        if int(port) == 0:
-            raise ValueError(f"a sharded tcp endpoint needs a fixed port, got {base!r}")
-        if int(port) + shard > 65535:
-            raise ValueError(f"{base!r} + shard {shard} is past port 65535")
-        return f"tcp://{host}:{int(port) + shard}"
-    if base.startswith(("ipc://", "inproc://")) and base.partition("://")[2]:
-        return base if shard == 0 else f"{base}.shard{shard}"
-    raise ValueError(f"unsupported endpoint {base!r} (tcp://, ipc:// or inproc://)")
-
-
-def status_endpoint_for(holder_endpoint: str) -> str:
-    """The default base (shard 0) endpoint of the status sockets of the holder whose shard-0 holder
-    endpoint is `holder_endpoint`; shard s answers at `shard_endpoint(base, s)`, beside its holder
-    store. A local ipc socket named by a hash of the holder endpoint as written in the storage config,
-    so the agent on the same host derives the same one from the same config without a second port:
-    `ipc:///tmp/lumen-holder-status-<16 hex digits of blake2b(holder_endpoint)>` (+ `.shard<n>`).
-    The `"lumen"` option `status_endpoint` overrides it (e.g. for an agent in another container)."""
-    digest = hashlib.blake2b(holder_endpoint.encode(), digest_size=8).hexdigest()
-    return f"ipc://{STATUS_IPC_DIR}/lumen-holder-status-{digest}"
-
-
-# -- configuration --------------------------------------------------------------------------------
-class LumenStorageOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The `"lumen"` object of SGLang's `--hicache-storage-backend-extra-config` (docs/sglang.md)."""
-
-    worker_id: str  # this server's Lumen worker id: `src_worker` of every page it checkpoints
-    incarnation: int = 0  # its incarnation: holders fence pages of older ones
-    # where this server's holder store listens (shard 0; shard s: `shard_endpoint`); None: no store
-    holder_endpoint: str | None = None
-    holder_budget_bytes: int = 0  # host memory for other workers' pages, whole server (split by shard)
-    # the holder's status sockets (shard 0; shard s: `shard_endpoint`), which the agent polls; None:
-    # `status_endpoint_for(holder_endpoint)`
-    status_endpoint: str | None = None
-    eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
-    # SGLang writes a request's pages after prefill and at finish, nothing while it decodes: a holder
-    # must keep a quiet checkpoint far longer than Lumen's own (30 s, refreshed every step)
-    orphan_ttl_s: float = 600.0
-    frame_bytes: int = 1 << 20
-    max_lag_bytes: int = 256 << 20  # per holder: beyond it a request is abandoned there
-    max_pending_bytes: int = 64 << 20  # copied pages not yet queued by the KV plane: beyond it, dropped
-    # "module:attr": a RouteLookup (key -> [PageRoute]) that a plugin in the same process fills;
-    # None: the backend's own RequestRoutes table (`LumenHiCacheStorage.routes`)
-    route_provider: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.worker_id:
-            raise ValueError("lumen.worker_id must not be empty")
-        if self.incarnation < 0 or self.holder_budget_bytes < 0:
-            raise ValueError("lumen.incarnation and lumen.holder_budget_bytes must be >= 0")
-        if self.orphan_ttl_s <= 0 or min(self.frame_bytes, self.max_lag_bytes, self.max_pending_bytes) < 1:
-            raise ValueError("lumen.orphan_ttl_s, frame_bytes, max_lag_bytes, max_pending_bytes must be > 0")
-        if self.holder_endpoint is not None:
-            shard_endpoint(self.holder_endpoint, 0)  # a malformed endpoint is refused here, not at bind
-        if self.status_endpoint is not None:
-            shard_endpoint(self.status_endpoint, 0)
-
-
-def options_from_extra_config(extra_config: dict[str, Any] | None) -> LumenStorageOptions:
-    """Lumen's options from SGLang's extra config; a clear ValueError naming the key otherwise."""
-    raw = (extra_config or {}).get("lumen")
-    if not isinstance(raw, dict):
-        raise ValueError('the extra config needs a "lumen" object with at least "worker_id" (docs/sglang.md)')
-    try:
-        return msgspec.convert(raw, LumenStorageOptions)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"bad lumen storage option: {exc}") from exc
-
-
-def load_route_provider(spec: str) -> RouteLookup:
-    """The RouteLookup named by "package.module:attr"."""
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f'route_provider must be "module:attr", got {spec!r}')
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"route_provider {spec!r} is not callable")
-    lookup: RouteLookup = obj
-    return lookup
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,6 @@ import torch
 
 from gateway.protocol.pagekeys import namespace_seed
 from gateway.protocol.sglang import parse_kv_hints
-from worker_hooks.sglang.page_store import shard_layout
 from worker_hooks.sglang.plugin_logic import (
     Copy,
     Outcome,
@@ -76,6 +75,7 @@ from worker_hooks.sglang.plugin_logic import (
     token_slice,
 )
 from worker_hooks.sglang.plugin_shipper import PageRun, ShipJob, Shipper
+from worker_hooks.sglang.storage_layout import shard_layout
 
 log = structlog.get_logger("lumen.sglang.plugin")
 

@@ -44,7 +44,7 @@ import msgspec
 
 from gateway.protocol.pagekeys import page_keys
 from gateway.protocol.sglang import LumenCheckpoint
-from worker_hooks.sglang.page_store import shard_endpoint
+from worker_hooks.sglang.storage_layout import shard_endpoint
 
 ENV_OPTIONS: Final = "LUMEN_SGLANG_PLUGIN"
 
