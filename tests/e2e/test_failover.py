@@ -127,7 +127,13 @@ async def test_mode_none_surfaces_the_failure(cluster_factory) -> None:
 
 async def test_stalled_engine_with_live_heartbeats_is_caught_by_the_stall_timeout(cluster_factory) -> None:
     # the engine loop freezes but the agent keeps heartbeating: only the per-chunk stall timeout sees it
-    c = cluster_factory(workers=3, mode="stop_restart", **{"recovery.stall_timeout_s": 0.5})
+    # a request queued on the stalled worker has no first chunk yet: it waits first_token_timeout_s
+    # (120 s by default, for long prefills), not the stall timeout, so shorten both here
+    c = cluster_factory(
+        workers=3,
+        mode="stop_restart",
+        **{"recovery.stall_timeout_s": 0.5, "recovery.first_token_timeout_s": 3.0},
+    )
     reqs = make_requests(30, seed=16)
     load = asyncio.create_task(run_requests(c.url, reqs))
     stalled = await kill_busiest(c.url, "stall", min_running=5)
