@@ -152,7 +152,8 @@ async def test_a_killed_server_reloads_from_the_least_loaded_survivor(tmp_path: 
 async def test_a_seeded_server_that_fails_is_launched_again_from_storage(tmp_path: Path) -> None:
     async with (
         gateway() as gw,
-        agents(gw, tmp_path, "s0", "s1", env={"s0": {"LUMEN_SHIM_SEED_FAILS": "1"}}) as sc,
+        # a busy machine can delay the seed's answer: the agent waits longer for it here
+        agents(gw, tmp_path, "s0", "s1", env={"s0": {"LUMEN_SHIM_SEED_FAILS": "1"}}, seed_wait_s=5.0) as sc,
         aiohttp.ClientSession() as http,
     ):
         first = gw.monitor.workers["s0"].incarnation
