@@ -11,6 +11,11 @@ For each configured server (`[[sglang.workers]]` or `lumen gateway --sglang-url 
   `health.heartbeat_misses` polls when the server hangs or keeps answering 503 on /ready (its
   running requests resume elsewhere; it re-attaches as a new incarnation once /ready is 200 again).
 
+A watcher never dies of one bad poll: each poll runs in a task of its own under one deadline (an HTTP
+client's timeout machinery then cannot leave a stray cancellation on the watcher: aiohttp's timeouts
+count as cancellations of the task that awaits them), and an unexpected error is logged and counted as
+a missed poll. A watcher that ended anyway is logged and started again.
+
 Broken `/generate` streams fail the incarnation too (sessions report them, as for every worker).
 """
 
@@ -61,12 +66,28 @@ class SGLangPoller:
         self.misses = misses
         self._tasks: list[asyncio.Task[None]] = []
         self._incarnation: dict[str, int] = {}
+        self._stopping = False
 
     def start(self) -> None:
         for t in self.targets:
-            self._tasks.append(asyncio.create_task(self._watch(t), name=f"sglang-poll-{t.worker_id}"))
+            self._start_watch(t)
+
+    def _start_watch(self, t: SGLangTarget) -> None:
+        task = asyncio.create_task(self._watch(t), name=f"sglang-poll-{t.worker_id}")
+        task.add_done_callback(lambda done: self._watch_ended(t, done))
+        self._tasks.append(task)
+
+    def _watch_ended(self, t: SGLangTarget, task: asyncio.Task[None]) -> None:
+        if self._stopping:
+            return
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+        error = None if task.cancelled() else task.exception()
+        log.error("sglang_watcher_ended", worker=t.worker_id, error=repr(error), restarting=True)
+        self._start_watch(t)
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -97,6 +118,8 @@ class SGLangPoller:
                     self.monitor.report_data_failure(t.worker_id, rec.incarnation, f"poll: {exc!r}")
             except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError) as exc:
                 log.debug("sglang_poll_failed", worker=t.worker_id, error=repr(exc))  # silence decides
+            except Exception as exc:  # a bug or a surprise: a missed poll, never a dead watcher
+                log.warning("sglang_poll_error", worker=t.worker_id, error=repr(exc))
             else:
                 unready = 0
                 self.monitor.heartbeat(rec, _heartbeat(loads))
@@ -107,6 +130,10 @@ class SGLangPoller:
             try:
                 loads = await self._poll(t)
             except (_Unready, TimeoutError, aiohttp.ClientError, ConnectionError, msgspec.DecodeError):
+                await asyncio.sleep(self.interval_s)
+                continue
+            except Exception as exc:
+                log.warning("sglang_poll_error", worker=t.worker_id, error=repr(exc))
                 await asyncio.sleep(self.interval_s)
                 continue
             incarnation = self._incarnation.get(t.worker_id, 0) + 1
@@ -134,12 +161,23 @@ class SGLangPoller:
             return rec
 
     async def _poll(self, t: SGLangTarget) -> SGLangLoads:
-        """/ready, then /v1/loads; raises _Unready on a non-200 from /ready."""
-        timeout = aiohttp.ClientTimeout(total=self.interval_s * self.misses)
-        async with self.http.get(t.url + "/ready", timeout=timeout) as ready:
+        """/ready, then /v1/loads, within `misses` poll intervals; raises _Unready on a non-200 from
+        /ready. The requests run in a task of their own (`wait_for`), so nothing the HTTP client does
+        to its task's cancellation state reaches the watcher; a cancellation of that inner task that
+        nobody asked for (not a stop of the watcher) counts as a failed poll."""
+        try:
+            return await asyncio.wait_for(self._fetch(t), self.interval_s * self.misses)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the watcher itself is being stopped
+            raise TimeoutError("poll cancelled inside the HTTP client") from None
+
+    async def _fetch(self, t: SGLangTarget) -> SGLangLoads:
+        async with self.http.get(t.url + "/ready") as ready:
             if ready.status != 200:
                 raise _Unready()
-        async with self.http.get(t.url + "/v1/loads?include=core", timeout=timeout) as loads:
+        async with self.http.get(t.url + "/v1/loads?include=core") as loads:
             loads.raise_for_status()
             return msgspec.json.decode(await loads.read(), type=SGLangLoads)
 
