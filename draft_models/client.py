@@ -7,6 +7,9 @@ dropped; a drafter that is down, slow or gone shows up as `poll` returning None,
 Reconnection is ZMQ's business (`IMMEDIATE` keeps messages from queueing for a peer that is not there).
 
 The client also keeps the pair's acceptance counts (`record`), which feed adaptive k and the metrics.
+
+With a `PlaneAuth` the DEALER is a CURVE client: it presents this process's key and talks only to the
+drafter whose server key it was given (StartDraftAssist's `peer_plane_key`). `PLAINTEXT`: tests only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from gateway.protocol.draft import (
     decode_reply,
     encode_request,
 )
+from gateway.protocol.planes import PlaneAuth, RetryRefused, Security, curve_client
 
 log = structlog.get_logger("lumen.draft.assist")
 
@@ -75,14 +79,27 @@ class DraftClient:
         self,
         endpoint: str,
         *,
+        auth: Security,
+        server_key: str = "",
         pair: str = "",
         ctx: zmq.asyncio.Context | None = None,
         sndhwm: int = 64,
     ) -> None:
+        """`server_key`: the drafter's CURVE key (needed with a PlaneAuth; ValueError without)."""
         self.endpoint = endpoint
+        if isinstance(auth, PlaneAuth) and not server_key:
+            raise ValueError(f"no CURVE server key for drafter {endpoint!r}")
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.DEALER)
+        if isinstance(auth, PlaneAuth):
+            try:
+                curve_client(sock, auth.keys, server_key)
+            except Exception as exc:
+                sock.close(0)
+                if self._own_ctx:
+                    self._ctx.term()
+                raise ValueError(str(exc)) from exc
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
@@ -90,6 +107,8 @@ class DraftClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.connect(endpoint)
         self._sock: zmq.asyncio.Socket | None = sock
+        # CURVE: reconnect after a refused handshake (a drafter that had not heard of us yet)
+        self._retry = RetryRefused(sock, endpoint) if isinstance(auth, PlaneAuth) else None
         # rid -> context length the drafter was last sent; absent: send the full context next
         self._sent: dict[str, int] = {}
         self._release: list[str] = []
@@ -97,6 +116,9 @@ class DraftClient:
         self.stats = AssistStats(pair=pair)
 
     def close(self) -> None:
+        if self._retry is not None:
+            self._retry.stop()
+            self._retry = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None

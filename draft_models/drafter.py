@@ -15,6 +15,11 @@ changes nothing. It owns one task, started by `start()` and ended by `close()`.
 A real draft model computes for real: given a `thread` (a single-worker executor), each round's
 work runs there, so the worker's event loop (its heartbeats, its own streams) never waits on a
 forward; rounds stay one at a time, and `close()` waits for the one in flight before it clears state.
+
+Security (`gateway.protocol.planes`): with a `PlaneAuth` the ROUTER is a CURVE server whose context's
+ZAP handler admits current members and the gateways (which verify drafts for SGLang targets); every
+message is checked again on arrival (`unauthenticated` when its connection's key is no longer one of
+them), so a fenced worker's open connection gets no drafts. `PLAINTEXT` is for unit tests only.
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ from gateway.protocol.draft import (
     encode_reply,
 )
 from gateway.protocol.generate import SamplingParams
+from gateway.protocol.planes import (
+    DRAFT_DOMAIN,
+    HandshakeWatch,
+    PlaneAuth,
+    RefusalLog,
+    Security,
+    ZapGuard,
+    curve_server,
+    user_id,
+)
 from models.synthetic import Sampler
 
 log = structlog.get_logger("lumen.draft.drafter")
@@ -60,6 +75,7 @@ class DrafterStats:
     resyncs: int = 0
     evicted: int = 0
     released: int = 0
+    unauthenticated: int = 0  # refused: the connection's key is not a current member's (CURVE)
     modelled_s: float = 0.0  # draft-model GPU time, before time_scale
 
 
@@ -77,6 +93,7 @@ class DrafterServer:
         model: DraftModel,
         endpoint: str = "tcp://127.0.0.1:0",
         *,
+        auth: Security,
         ctx: zmq.asyncio.Context | None = None,
         cost: CostModel | None = None,
         time_scale: float = 1.0,
@@ -89,6 +106,10 @@ class DrafterServer:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
         self.model = model
+        self.auth = auth
+        self._guard: ZapGuard | None = None
+        self._handshakes: HandshakeWatch | None = None
+        self.refusals = RefusalLog("draft_message_refused")
         self.cost = cost
         self.time_scale = time_scale
         self.max_states = max_states
@@ -114,15 +135,29 @@ class DrafterServer:
             raise RuntimeError("DrafterServer already started")
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        auth = self.auth
+        if isinstance(auth, PlaneAuth):
+            curve_server(sock, auth, DRAFT_DOMAIN)
+            self._guard = ZapGuard.acquire(
+                self._ctx, DRAFT_DOMAIN, lambda key: auth.members.allows(key, gateways=True)
+            )
         try:
             sock.bind(self._bind_to)
         except zmq.ZMQError as exc:
             sock.close(0)
+            self._release_guard()
             raise OSError(f"cannot bind drafter at {self._bind_to}: {exc}") from exc
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if isinstance(auth, PlaneAuth):
+            self._handshakes = HandshakeWatch(sock, "draft")
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"drafter {self.endpoint}")
-        log.info("drafter_listening", endpoint=self.endpoint, max_states=self.max_states)
+        log.info(
+            "drafter_listening",
+            endpoint=self.endpoint,
+            max_states=self.max_states,
+            curve=isinstance(auth, PlaneAuth),
+        )
         return self.endpoint
 
     async def close(self) -> None:
@@ -134,12 +169,26 @@ class DrafterServer:
         if self._inflight is not None:  # a round still running on the thread: let it finish first
             await asyncio.gather(self._inflight, return_exceptions=True)
             self._inflight = None
+        if self._handshakes is not None:
+            await self._handshakes.close()
+            self._handshakes = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        self._release_guard()
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
         self._states.clear()
+
+    @property
+    def handshakes_failed(self) -> int:
+        """Connections whose CURVE handshake failed (no CURVE, wrong server key, not a member)."""
+        return self._handshakes.failed if self._handshakes is not None else 0
+
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.release(DRAFT_DOMAIN)
+            self._guard = None
 
     async def __aenter__(self) -> DrafterServer:
         await self.start()
@@ -155,10 +204,16 @@ class DrafterServer:
         if sock is None:
             raise RuntimeError("DrafterServer not started")
         while True:
-            batch = [await sock.recv_multipart()]
-            # take what else has queued meanwhile: superseded rounds are answered by their successor
-            while len(batch) < self._max_drain and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                batch.append(await sock.recv_multipart())
+            batch: list[list[bytes]] = []
+            try:
+                batch = self._admitted([await sock.recv_multipart(copy=False)])
+                # take what else has queued meanwhile: superseded rounds are answered by their successor
+                while len(batch) < self._max_drain and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    batch.extend(self._admitted([await sock.recv_multipart(zmq.NOBLOCK, copy=False)]))
+            except zmq.Again:
+                pass  # pyzmq saw POLLIN but the message was gone by the recv (a connection just closed)
+            if not batch:
+                continue
             try:
                 if self._thread is None:
                     replies, seconds = self.handle(batch)
@@ -174,6 +229,23 @@ class DrafterServer:
                 await asyncio.sleep(seconds * self.time_scale)
             for frames in replies:
                 await sock.send_multipart(frames)
+
+    def _admitted(self, received: list[list[zmq.Frame]]) -> list[list[bytes]]:
+        """The received messages as bytes, less those whose connection is not (or no longer) a
+        current member's or a gateway's (CURVE mode: counted and logged, never handled)."""
+        auth = self.auth
+        out: list[list[bytes]] = []
+        for frames in received:
+            if isinstance(auth, PlaneAuth):
+                key = user_id(frames[-1])
+                if key is None or not auth.members.allows(key, gateways=True):
+                    self.stats.messages += 1
+                    self.stats.refused += 1
+                    self.stats.unauthenticated += 1
+                    self.refusals("not a current member", key)
+                    continue
+            out.append([f.bytes for f in frames])
+        return out
 
     def handle(self, messages: list[list[bytes]]) -> tuple[list[list[bytes]], float]:
         """Apply received messages; return the reply frames and the modelled draft time in seconds."""

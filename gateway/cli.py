@@ -63,6 +63,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         extra["gateway.control_port"] = args.control_port
     if args.sglang_url:
         extra["sglang.workers"] = [{"url": u} for u in args.sglang_url]
+    if args.insecure:
+        extra["gateway.control_insecure"] = True
     cfg = _load(args, extra)
     configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
     _run(run_gateway(cfg))
@@ -91,9 +93,26 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
             extra["tokenizer.path"] = str(Path(args.model) / "tokenizer.json")
     elif args.tail or args.model or args.tp is not None:
         raise _usage("--model, --tp and arguments after -- are for --engine sglang")
+    if sglang is not None and (args.gateways != 1 or args.shared_port):
+        raise _usage("--gateways and --shared-port are for Lumen's workers (--engine lumen) for now")
     cfg = _load(args, extra)
     configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
-    _run(run_cluster(cfg, log_dir=Path(args.log_dir) if args.log_dir else None, sglang=sglang))
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if sglang is not None:
+        _run(run_cluster(cfg, log_dir=log_dir, sglang=sglang))
+        return 0
+    from gateway.cluster.fleet_run import run_fleet
+
+    if args.gateways < 1:
+        raise _usage("--gateways must be at least 1")
+    # the gateways load the configuration as this command did (their ports are the supervisor's)
+    config_args = [*(["--config", args.config] if args.config else []), *(["--mode", args.mode] if args.mode else [])]
+    for item in args.set:
+        config_args += ["--set", item]
+    for key, value in extra.items():
+        if key not in ("gateway.port", "gateway.control_port"):
+            config_args += ["--set", f"{key}={json.dumps(value)}"]
+    _run(run_fleet(cfg, config_args, gateways=args.gateways, shared_port=args.shared_port, log_dir=log_dir))
     return 0
 
 
@@ -186,7 +205,21 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from gateway.protocol.launch import EngineSpec, worker_env
+    from gateway.protocol.secrets import SecretError, resolve_token
 
+    port = args.control.rpartition(":")[2]
+    try:
+        token = resolve_token(dict(os.environ), int(port) if port.isdigit() else None)
+    except SecretError as exc:
+        print(f"lumen worker: {exc}", file=sys.stderr)
+        return 2
+    if not token:
+        print(
+            "lumen worker: no control token: set LUMEN_CONTROL_TOKEN or LUMEN_CONTROL_TOKEN_FILE (a gateway "
+            "that generated its token logs the 0600 file it wrote)",
+            file=sys.stderr,
+        )
+        return 2
     spec = EngineSpec(
         worker_id=args.id,
         control_address=args.control,
@@ -194,7 +227,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         model=args.model,
         gpu=args.gpu,
         time_scale=args.time_scale,
-        control_token=os.environ.get("LUMEN_CONTROL_TOKEN", ""),
+        control_token=token,
+        control_tls_ca=args.control_ca or os.environ.get("LUMEN_CONTROL_CA", ""),
         backend=args.backend,
         page_size=args.page_size,
         kv_capacity_tokens=args.kv_capacity_tokens,
@@ -255,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="an unmodified SGLang server to drive (repeatable; also [[sglang.workers]] url = ...)",
     )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a plaintext control plane beyond loopback (gateway.control_insecure)",
+    )
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser(
@@ -262,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--id", required=True)
     p.add_argument("--control", required=True, help="gateway control plane host:port")
+    p.add_argument(
+        "--control-ca", default="", help="PEM the control plane's TLS certificate chains to (LUMEN_CONTROL_CA)"
+    )
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--model", default="Qwen3-32B", help="cost-model preset")
     p.add_argument("--gpu", default="H100-80G")
@@ -289,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--workers", type=int)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--gateways", type=int, default=1, help="gateway processes, on --port … --port+N-1 (each worker attaches to all)"
+    )
+    p.add_argument(
+        "--shared-port", action="store_true", help="all gateways accept on --port (SO_REUSEPORT): every core serves"
+    )
     p.add_argument("--backend", choices=list(Backend))
     p.add_argument("--time-scale", type=float)
     p.add_argument("--log-dir")

@@ -34,6 +34,7 @@ import uvloop
 
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.planes import Member
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.service import Worker, start_worker
 
@@ -110,6 +111,10 @@ async def one_run(a: Worker, b: Worker, on: bool, tag: str, args: argparse.Names
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     async with start_worker(make_spec("serving", args)) as a, start_worker(make_spec("holder", args)) as b:
+        # what the gateway's Members does: the two trust each other's CURVE keys on the KV plane
+        members = [Member(w.worker_id, w.incarnation, w.engine.planes.keys.public, w.kv_endpoint) for w in (a, b)]
+        for w in (a, b):
+            w.engine.planes.members.replace(members)
         decode_ms = a.engine.cost.decode_step_time([args.prompt + args.output // 2] * args.requests) * 1e3
         print(f"{MODEL}/{GPU}: modelled decode step ~{decode_ms:.2f} ms at batch {args.requests}")
         await one_run(a, b, False, "warmup", args)

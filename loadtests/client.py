@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -24,6 +25,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     rid: str = ""  # the gateway's request id (the response's "id")
+    resumes: int = 0  # times the stream broke and was resumed on a gateway (Last-Event-ID)
 
     @property
     def ok(self) -> bool:
@@ -41,8 +43,18 @@ class RequestResult:
 
 
 async def stream_completion(
-    http: aiohttp.ClientSession, base_url: str, model: str, r: RequestResult, api_key: str | None = None
+    http: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    r: RequestResult,
+    api_key: str | None = None,
+    *,
+    resume_urls: Sequence[str] = (),
+    max_resumes: int = 4,
 ) -> RequestResult:
+    """Stream one completion. When the stream breaks (the gateway died: connection error, or no
+    [DONE]) after some event, the same body goes to the next gateway of `resume_urls` (round robin,
+    the first one again included) with `Last-Event-ID`, and the text continues from there."""
     body: dict[str, object] = {
         "model": model,
         "prompt": r.prompt_ids,
@@ -55,37 +67,81 @@ async def stream_completion(
     if r.seed is not None:
         body["seed"] = r.seed
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    urls = [base_url, *[u for u in resume_urls if u != base_url]]
     r.arrival = time.monotonic()
-    try:
-        async with http.post(f"{base_url}/v1/completions", json=body, headers=headers) as resp:
-            r.status = resp.status
-            if resp.status != 200:
-                r.error = (await resp.text())[:300]
-                return r
-            parts: list[str] = []
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                obj = json.loads(payload)
-                r.rid = r.rid or obj.get("id", "")
-                if "error" in obj:
-                    r.error = obj["error"].get("message", "error")
-                    break
-                for ch in obj.get("choices", []):
-                    if ch.get("text"):
-                        parts.append(ch["text"])
-                        r.chunk_times.append(time.monotonic())
-                    if ch.get("finish_reason"):
-                        r.finish_reason = ch["finish_reason"]
-                if obj.get("usage"):
-                    r.completion_tokens = obj["usage"]["completion_tokens"]
-            r.text = "".join(parts)
-            if r.finish_reason is None and r.error is None:
-                r.error = "stream truncated"
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        r.error = f"{type(exc).__name__}: {exc}"
+    parts: list[str] = []
+    at: list[str] = []  # the last event id seen, kept across a break
+    for attempt in range(max_resumes + 1):
+        url = urls[attempt % len(urls)]
+        sent = dict(headers, **({"Last-Event-ID": at[-1]} if at else {}))
+        try:
+            end = await _read_stream(http, f"{url}/v1/completions", body, sent, r, parts, at)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            r.error = f"{type(exc).__name__}: {exc}"
+            end = "broken"
+        # only a broken stream resumes: [DONE], an error event or an error status is the answer
+        if end != "broken" or r.status != 200 or not at or not resume_urls:
+            break
+        r.resumes += 1
+        r.error = None
+    r.text = "".join(parts)
+    if r.finish_reason is None and r.error is None:
+        r.error = "stream truncated"
     return r
+
+
+async def _read_stream(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, object],
+    headers: dict[str, str],
+    r: RequestResult,
+    parts: list[str],
+    at: list[str],
+) -> str:
+    """Read one stream into `r`/`parts` (and each complete event's id into `at`); how it ended
+    ("done": [DONE], "error": an error status or event, "broken": neither)."""
+    async with http.post(url, json=body, headers=headers) as resp:
+        r.status = resp.status
+        if resp.status != 200:
+            r.error = (await resp.text())[:300]
+            return "error"
+        # an event counts once complete (its blank line): its text and its id together, so a break
+        # inside an event neither keeps half of it nor loses it on the resume
+        event_id: str | None = None
+        data: list[bytes] = []
+        async for raw in resp.content:
+            line = raw.strip()
+            if line.startswith(b"id:"):
+                event_id = line[3:].strip().decode()
+            elif line.startswith(b"data:"):
+                data.append(line[5:].strip())
+            elif not line and data:
+                for payload in data:
+                    if payload == b"[DONE]":
+                        return "done"
+                    if _take(json.loads(payload), r, parts) == "error":
+                        return "error"
+                if event_id is not None:
+                    at.append(event_id)
+                event_id, data = None, []
+    return "broken"
+
+
+def _take(obj: dict[str, object], r: RequestResult, parts: list[str]) -> str:
+    r.rid = r.rid or str(obj.get("id", ""))
+    err = obj.get("error")
+    if isinstance(err, dict):
+        r.error = str(err.get("message", "error"))
+        return "error"
+    choices = obj.get("choices")
+    for ch in choices if isinstance(choices, list) else []:
+        if ch.get("text"):
+            parts.append(ch["text"])
+            r.chunk_times.append(time.monotonic())
+        if ch.get("finish_reason"):
+            r.finish_reason = ch["finish_reason"]
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        r.completion_tokens = int(usage["completion_tokens"])
+    return "ok"

@@ -14,10 +14,24 @@ from types import TracebackType
 from typing import Any
 
 
-def free_port() -> int:
+def free_port(n: int = 1) -> int:
+    """A free port on loopback; with n > 1, the first of n consecutive free ones."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if n == 1 or all(_free(base + i) for i in range(1, n)):
+            return base
+    raise OSError(f"no {n} consecutive free ports found")
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class ClusterProcess:
@@ -34,9 +48,12 @@ class ClusterProcess:
         log_dir: Path | None = None,
         ready_timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
+        gateways: int = 1,
+        shared_port: bool = False,
     ) -> None:
-        self.port = port or free_port()
+        self.port = port or free_port(1 if shared_port else gateways)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.gateways = gateways
         cmd = [
             sys.executable,
             "-m",
@@ -48,13 +65,18 @@ class ClusterProcess:
             "--port",
             str(self.port),
         ]
+        if gateways != 1:
+            cmd += ["--gateways", str(gateways)]
+        if shared_port:
+            cmd += ["--shared-port"]
         if mode:
             cmd += ["--mode", mode]
         if config:
             cmd += ["--config", config]
         if log_dir:
             cmd += ["--log-dir", str(log_dir)]
-        for k, v in (overrides or {}).items():
+        # a test cluster: its workers take `POST /lumen/fault` (slow faults)
+        for k, v in {"cluster.fault_injection": True, **(overrides or {})}.items():
             cmd += ["--set", f"{k}={json.dumps(v)}"]
         self.cmd = cmd
         self.env = None if env is None else {**os.environ, **env}

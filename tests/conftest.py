@@ -1,10 +1,15 @@
 """Test-suite settings shared by every directory."""
 
+import asyncio
 import gc
+import inspect
 import os
+import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from hypothesis import settings
 
 # CI runs are reproducible (derandomized examples) and immune to a slow shared machine (no deadline);
@@ -39,6 +44,8 @@ DIRECTORY_MARKERS = {
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+            item.fixturenames.append("_dump_tasks_before_timeout")
         for directory, marker in DIRECTORY_MARKERS.items():
             if item.path.is_relative_to(directory):
                 item.add_marker(marker)
@@ -50,3 +57,29 @@ def pytest_collection_finish(session: object) -> None:
     timeouts) does not walk ~10^5 of them (about 70 ms on this 2-core box with torch loaded)."""
     gc.collect()
     gc.freeze()
+
+
+
+TASK_DUMP_BEFORE_TIMEOUT_S = 10.0  # an async test still running this long before pytest-timeout fires
+
+
+@pytest_asyncio.fixture
+async def _dump_tasks_before_timeout(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """A hung async test tells where its tasks wait: shortly before pytest-timeout ends it, every
+    asyncio task's stack goes to stderr (pytest-timeout shows threads only; the tasks are the story).
+    Added to every coroutine test at collection (below)."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+
+    def dump() -> None:
+        print(f"\n--- asyncio tasks {TASK_DUMP_BEFORE_TIMEOUT_S:g} s before the timeout ---", file=sys.stderr)
+        for task in asyncio.all_tasks():
+            print(repr(task), file=sys.stderr)
+            task.print_stack(limit=8, file=sys.stderr)
+
+    handle = None
+    if limit > TASK_DUMP_BEFORE_TIMEOUT_S:
+        handle = asyncio.get_running_loop().call_later(limit - TASK_DUMP_BEFORE_TIMEOUT_S, dump)
+    yield
+    if handle is not None:
+        handle.cancel()

@@ -12,6 +12,9 @@ of every held request that changed since the previous beat (all of them in a ses
 so a restarted gateway learns the whole state), and the checkpoints the sender abandoned; and the
 worker's draft-assist totals as a target (`DraftStats`: drafts verified, accepted, assisted steps).
 
+Hello carries the worker's plane key (its CURVE public key, gateway/protocol/planes.py); the gateway's
+`Members` command replaces the table of peers its KV store and drafter admit and its senders trust.
+
 Hello carries `draft_endpoint` while the worker runs a drafter: a restarting worker with a draft model
 binds its drafter before it attaches, so the gateway knows where to send targets once it reports
 DRAFT_READY. StartDraftAssist / StopDraftAssist go to the engine's assist roles.
@@ -46,6 +49,9 @@ class EngineRole:
         self.spec = spec
         self.engine = engine
         self.http_url = http_url
+        # the control sessions with the cluster's other gateways (same engine): after a reset they
+        # must say Hello again, with the new incarnation
+        self.siblings: list[ControlClient] = []
 
     @property
     def worker_id(self) -> str:
@@ -71,6 +77,7 @@ class EngineRole:
             pid=os.getpid(),
             max_running_requests=spec.max_running_requests,
             phase=pb.Phase.Value(engine.phase.value),
+            plane_key=engine.planes.keys.public,
         )
 
     def heartbeat(self, seq: int, *, full: bool) -> pb.Heartbeat:
@@ -111,7 +118,12 @@ class EngineRole:
             log.info("holders assigned", rid=a.rid, holders=[h.worker_id for h in a.holders], resent=resent)
         elif kind == "start_draft_assist":
             s = msg.start_draft_assist
-            engine.assist.start_pair(s.peer_id, s.peer_endpoint, s.role, s.k)
+            engine.assist.start_pair(s.peer_id, s.peer_endpoint, s.role, s.k, s.peer_plane_key)
+        elif kind == "members":
+            # who may speak on this worker's data planes, and their keys (gateway/protocol/planes.py);
+            # with several gateways, the union of what each says (this role is one gateway's session)
+            engine.planes.members.apply(msg.members, source=self)
+            log.debug("plane members", worker_id=engine.worker_id, members=len(msg.members.members))
         elif kind == "stop_draft_assist":
             engine.assist.stop_pair(msg.stop_draft_assist.peer_id)
         else:
@@ -119,6 +131,8 @@ class EngineRole:
 
     async def reset(self) -> None:
         self.engine.reset_incarnation()
+        for other in self.siblings:
+            other.end_session("the worker became a new incarnation (fenced by another gateway)", reset=False)
 
 
 class Agent(ControlClient):
@@ -133,14 +147,19 @@ class Agent(ControlClient):
         backoff_start_s: float = BACKOFF_START_S,
         backoff_cap_s: float = BACKOFF_CAP_S,
         welcome_timeout_s: float = WELCOME_TIMEOUT_S,
+        address: str | None = None,
     ) -> None:
+        """`address`: the gateway to attach to (default: spec.control_address); a worker of a cluster
+        with several gateways runs one Agent per gateway, all over the same engine."""
         self.spec = spec
         self.engine = engine
         self.http_url = http_url
+        self.engine_role = EngineRole(spec, engine, http_url)
         super().__init__(
-            EngineRole(spec, engine, http_url),
-            spec.control_address,
+            self.engine_role,
+            address if address is not None else spec.control_address,
             token=spec.control_token,
+            tls_ca=spec.control_tls_ca,
             heartbeat_interval_ms=spec.heartbeat_interval_ms,
             backoff_start_s=backoff_start_s,
             backoff_cap_s=backoff_cap_s,

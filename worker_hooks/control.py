@@ -8,11 +8,14 @@ One session = one `Attach` stream: Hello -> Welcome (or Refuse) -> a Heartbeat e
 gateway messages are read and dispatched. Heartbeats are scheduled by absolute deadlines, so a busy
 event loop delays one beat but never shifts the whole train.
 
-When a session that the gateway answered ends for any reason (gateway restarted, it declared this
-worker failed and cancelled the stream, or the role ended it with `end_session`), the gateway no
-longer trusts our in-flight requests: the role resets its incarnation and the client re-attaches with
-exponential backoff. Attempts that never reached the gateway do not reset again. Gateway messages for
-another incarnation are dropped.
+When the gateway refuses this incarnation (at Hello: it failed it already, e.g. after a network
+break) or fences it mid-session (a `Refuse` before it ends the stream: it declared the worker failed),
+it no longer trusts our in-flight requests: the role resets its incarnation and the client re-attaches
+with exponential backoff. So does a session the role ends itself (`end_session`: its server died). A
+stream that merely ends or breaks (the gateway restarting, or killed) resets nothing: the same
+incarnation attaches again, its requests running on, kept for adoption by the gateway their clients
+resume on, and the other gateways of the cluster keep theirs. Gateway messages for another
+incarnation are dropped.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class ControlClient:
         address: str,
         *,
         token: str = "",
+        tls_ca: str = "",
         heartbeat_interval_ms: int = 50,
         backoff_start_s: float = BACKOFF_START_S,
         backoff_cap_s: float = BACKOFF_CAP_S,
@@ -80,6 +84,7 @@ class ControlClient:
         self.role = role
         self.address = address
         self.token = token
+        self.tls_ca = tls_ca  # PEM file the gateway's control-plane certificate must chain to; "": plaintext
         self.default_heartbeat_ms = heartbeat_interval_ms  # when the Welcome names none
         self.backoff_start_s = backoff_start_s
         self.backoff_cap_s = backoff_cap_s
@@ -91,6 +96,7 @@ class ControlClient:
         self.heartbeats_sent = 0
         self._task: asyncio.Task[None] | None = None
         self._answered = False  # whether the current session got an answer from the gateway
+        self._refused = False  # whether the gateway refused or fenced the current incarnation
         self._end: asyncio.Event | None = None  # the live session's "end it now" signal
         self._end_reason = ""
 
@@ -112,15 +118,24 @@ class ControlClient:
                 )
         self.attached.clear()
 
-    def end_session(self, reason: str) -> bool:
+    def end_session(self, reason: str, *, reset: bool = True) -> bool:
         """End the live session now (the call is cancelled, so the gateway fails this incarnation at
-        once); the client then resets and re-attaches as usual. False when no session is live."""
+        once); the client then resets (unless `reset` is False: the role has a new incarnation
+        already) and re-attaches as usual. False when no session is live."""
         end = self._end
         if end is None or end.is_set():
             return False
         self._end_reason = reason
+        self._refused = reset  # a new incarnation follows
         end.set()
         return True
+
+    def _channel(self) -> grpc.aio.Channel:
+        if not self.tls_ca:
+            return grpc.aio.insecure_channel(self.address)
+        with open(self.tls_ca, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        return grpc.aio.secure_channel(self.address, creds)
 
     # -- the reconnect loop ---------------------------------------------------------------------
     async def _run(self) -> None:
@@ -128,6 +143,7 @@ class ControlClient:
         wid = self.role.worker_id
         while True:
             self._answered = False
+            self._refused = False
             try:
                 await self._session()
             except SessionEnded as exc:
@@ -142,9 +158,13 @@ class ControlClient:
                 log.exception("control session crashed", worker_id=wid, address=self.address)
             self.attached.clear()
             self._end = None
-            if self._answered:
-                # the gateway knew this incarnation; whatever it had in flight here is void now
+            if self._refused:
+                # the gateway refused or fenced this incarnation: whatever it had in flight here is
+                # void; come back as a new one. A stream that only ended (the gateway restarted or
+                # died) changes nothing here: its requests stay adoptable, other gateways keep theirs
                 await self.role.reset()
+                backoff = self.backoff_start_s
+            elif self._answered:
                 backoff = self.backoff_start_s
             await asyncio.sleep(backoff)
             backoff = min(self.backoff_cap_s, backoff * 2)
@@ -152,7 +172,7 @@ class ControlClient:
     async def _session(self) -> None:
         """Run one Attach stream until it ends; always ends by raising."""
         end = self._end = asyncio.Event()
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with self._channel() as channel:
             call = ControlStub(channel).Attach()  # type: ignore[no-untyped-call]  # generated stub
             incarnation = self.role.incarnation
             tasks: list[asyncio.Task[None]] = []
@@ -168,11 +188,13 @@ class ControlClient:
                 self._answered = True
                 if first.WhichOneof("body") == "refuse":
                     self.refusals += 1
+                    self._refused = True
                     raise SessionEnded(f"refused: {first.refuse.reason}")
                 if first.WhichOneof("body") != "welcome":
                     raise SessionEnded(f"expected Welcome, got {first.WhichOneof('body')}")
                 welcome = first.welcome
                 if welcome.protocol_version != CONTROL_PROTOCOL_VERSION:
+                    self._refused = True  # it recorded this incarnation; a later Hello starts afresh
                     raise SessionEnded(
                         f"gateway speaks control protocol {welcome.protocol_version}, "
                         f"this worker {CONTROL_PROTOCOL_VERSION}"
@@ -274,8 +296,9 @@ class ControlClient:
     def handle(self, msg: pb.GatewayMessage) -> None:
         """Apply one gateway message of the current incarnation; a Refuse ends the session."""
         kind = msg.WhichOneof("body")
-        if kind == "refuse":
+        if kind == "refuse":  # fenced: the gateway declared this incarnation failed
             self.refusals += 1
+            self._refused = True
             raise SessionEnded(f"refused: {msg.refuse.reason}")
         if kind == "welcome":
             log.warning("duplicate Welcome ignored", worker_id=self.role.worker_id)

@@ -36,13 +36,20 @@ async def run_cluster(
     logs = log_dir or Path(tempfile.mkdtemp(prefix="lumen-cluster-"))
     cluster: LocalCluster | SGLangCluster | None = None
     gw = Gateway(config)
+    config = gw.config  # with the control token the gateway generated when none was configured
     await gw.start()
     try:
         control = f"{config.gateway.control_host}:{gw.control_port}"
         if sglang is None:
             tokens = synthetic_token_range(config.tokenizer.kind, gw.tokenizer.vocab_size)
             specs = worker_specs(config, control, tokens)
-            cluster = LocalCluster(specs, log_dir=logs, restart_killed=config.cluster.restart_killed)
+            cluster = LocalCluster(
+                specs,
+                log_dir=logs,
+                restart_killed=config.cluster.restart_killed,
+                hung_restart_grace_s=config.cluster.hung_restart_grace_s,
+            )
+            cluster.follow(gw.monitor)  # hung workers (FAILED by silence) are killed and restarted
             n = len(specs)
             timeout_s = 60.0 if ready_timeout_s is None else ready_timeout_s
         else:
@@ -59,6 +66,7 @@ async def run_cluster(
                 agents,
                 log_dir=logs,
                 control_token=config.gateway.control_token,
+                control_ca=config.gateway.control_tls_cert,
                 restart_agents=config.cluster.restart_killed,
             )
             n = len(agents)

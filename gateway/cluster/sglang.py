@@ -28,6 +28,7 @@ from pathlib import Path
 import structlog
 
 from gateway.cluster.procs import stop_processes
+from gateway.protocol.launch import GATEWAY_SECRETS_ENV
 from gateway.server.api.errors import InvalidRequest, NotFound
 
 log = structlog.get_logger("lumen.cluster")
@@ -160,11 +161,13 @@ class SGLangCluster:
         *,
         log_dir: Path,
         control_token: str = "",
+        control_ca: str = "",
         restart_agents: bool = True,
     ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         self.control_token = control_token
+        self.control_ca = control_ca
         self.restart_agents = restart_agents
         self.agents = {s.worker_id: AgentProcess(s, log_dir / f"{s.worker_id}.log") for s in specs}
         self._stopping = False
@@ -212,12 +215,12 @@ class SGLangCluster:
 
     # -- internals -------------------------------------------------------------------------------
     async def _spawn(self, ap: AgentProcess) -> None:
-        env = dict(
-            os.environ,
-            LUMEN_PARENT_PID=str(os.getpid()),
-            LUMEN_CONTROL_TOKEN=self.control_token,
-            PYTHONUNBUFFERED="1",
-        )
+        # the agent gets the control token (and the CA of a TLS control plane) in its environment,
+        # never the gateway's client and admin keys
+        env = {k: v for k, v in os.environ.items() if k not in GATEWAY_SECRETS_ENV}
+        env.update(LUMEN_PARENT_PID=str(os.getpid()), LUMEN_CONTROL_TOKEN=self.control_token, PYTHONUNBUFFERED="1")
+        if self.control_ca:
+            env["LUMEN_CONTROL_CA"] = self.control_ca
         if ap.spec.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ap.spec.gpus)
         argv = [sys.executable, "-m", AGENT_MODULE, *ap.spec.argv]

@@ -3,6 +3,14 @@
 `lumen cluster up` runs this in the foreground: a killed worker is started again as a new
 incarnation, which models its model-load time itself (phase LOADING_FULL) before it serves.
 Workers bind port 0 and report their URL in Hello, so several clusters can run side by side.
+
+A worker whose process is alive but silent (hung: SIGSTOPped, `--mode hang`, a deadlock) is failed by
+the gateway's detector, but never exits, so nothing would restart it. Following the gateways (`follow`
+for a gateway in this process, its monitor's events; `follow_gateways` for gateway processes, their
+admin API), the supervisor kills (SIGKILL) a worker the detector failed by silence that is still
+FAILED `hung_restart_grace_s` later, with no newer incarnation attached and no gateway hearing from
+it, while the same process still runs; the usual restart follows. A worker wrongly failed (alive,
+only late) re-attaches as a new incarnation well within the grace and is left alone.
 """
 
 from __future__ import annotations
@@ -15,14 +23,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import msgspec
 import structlog
 
 from gateway.cluster.procs import stop_processes
 from gateway.config import Config, draft_for, recovery_policy
+from gateway.core.detector import SILENCE_REASON
+from gateway.core.health import WorkerState
 from gateway.protocol.launch import EngineSpec, worker_env
 from gateway.server.api.errors import NotFound
+from gateway.server.workers.monitor import LoadMonitor, StateEvent
 
 log = structlog.get_logger("lumen.cluster")
 
@@ -47,6 +60,7 @@ class WorkerProcess:
     hung: bool = False
     supervisor: asyncio.Task[None] | None = None
     exits: list[tuple[float, int]] = field(default_factory=list)
+    hung_restarts: int = 0  # times it was killed for staying FAILED by silence past the grace
 
 
 def synthetic_token_range(tokenizer_kind: str, vocab_size: int) -> tuple[int, int, int]:
@@ -65,6 +79,9 @@ def worker_specs(config: Config, control_address: str, token_range: tuple[int, i
             worker_id=f"w{i}",
             control_address=control_address,
             control_token=config.gateway.control_token,
+            # a local worker trusts the gateway's own certificate (self-signed or not)
+            control_tls_ca=config.gateway.control_tls_cert,
+            fault_injection=cl.fault_injection,
             backend=e.backend,
             model=m.preset,
             gpu=m.gpu,
@@ -109,12 +126,27 @@ def worker_specs(config: Config, control_address: str, token_range: tuple[int, i
 class LocalCluster:
     """Starts, supervises, kills and stops worker processes. Implements app.FaultInjector."""
 
-    def __init__(self, specs: list[EngineSpec], *, log_dir: Path, restart_killed: bool = True) -> None:
+    def __init__(
+        self,
+        specs: list[EngineSpec],
+        *,
+        log_dir: Path,
+        restart_killed: bool = True,
+        hung_restart_grace_s: float = 0.0,
+    ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         self.restart_killed = restart_killed
+        self.hung_restart_grace_s = hung_restart_grace_s  # 0: hung workers are left alone
         self.workers = {s.worker_id: WorkerProcess(s, log_dir / f"{s.worker_id}.log") for s in specs}
         self._stopping = False
+        self._monitor: LoadMonitor | None = None
+        self._hung_checks: set[asyncio.TimerHandle] = set()
+
+    def follow(self, monitor: LoadMonitor) -> None:
+        """Watch the gateway's verdicts: restart workers that stay FAILED by silence (module doc)."""
+        self._monitor = monitor
+        monitor.on_state_change.append(self._on_state_change)
 
     async def start(self) -> None:
         for wp in self.workers.values():
@@ -123,6 +155,9 @@ class LocalCluster:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
+        for handle in self._hung_checks:
+            handle.cancel()
+        self._hung_checks.clear()
         for wp in self.workers.values():
             if wp.supervisor is not None:
                 wp.supervisor.cancel()
@@ -143,6 +178,92 @@ class LocalCluster:
         wp.hung = mode == "hang"
         log.warning("fault_injected", worker=worker_id, pid=pid, mode=mode)
         return {"worker": worker_id, "pid": pid, "mode": mode, "t": time.time()}
+
+    # -- hung workers ----------------------------------------------------------------------------
+    def _on_state_change(self, ev: StateEvent) -> None:
+        grace = self.hung_restart_grace_s
+        if ev.dst is not WorkerState.FAILED or grace <= 0 or not self.restart_killed or self._stopping:
+            return
+        if ev.worker_id not in self.workers:
+            return
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle | None = None
+
+        def check() -> None:
+            if handle is not None:
+                self._hung_checks.discard(handle)
+            self._restart_if_hung(ev.worker_id, ev.incarnation)
+
+        handle = loop.call_later(grace, check)
+        self._hung_checks.add(handle)
+
+    def _restart_if_hung(self, worker_id: str, incarnation: int) -> None:
+        mon, wp = self._monitor, self.workers[worker_id]
+        rec = mon.workers.get(worker_id) if mon is not None else None
+        if self._stopping or rec is None or rec.incarnation != incarnation:
+            return  # a newer incarnation attached (a live worker wrongly failed resets and comes back)
+        if rec.state is not WorkerState.FAILED or not rec.failed_by_silence:
+            return  # a broken stream: the process exited and is restarted already
+        proc = wp.proc
+        if proc is None or proc.returncode is not None or (rec.pid and rec.pid != proc.pid):
+            return  # that process is gone; its successor is ours to keep
+        self._kill_hung(wp, proc, incarnation)
+
+    def _kill_hung(self, wp: WorkerProcess, proc: asyncio.subprocess.Process, incarnation: int) -> None:
+        wp.hung_restarts += 1
+        log.warning(
+            "hung_worker_killed",
+            worker=wp.spec.worker_id,
+            pid=proc.pid,
+            incarnation=incarnation,
+            failed_for_s=self.hung_restart_grace_s,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # SIGKILL works on a stopped process too; _supervise restarts it
+
+    async def follow_gateways(
+        self, urls: list[str], stop: asyncio.Event, *, admin_key: str | None = None, poll_s: float = 0.5
+    ) -> None:
+        """`follow` for gateways in other processes: poll each one's /admin/workers every `poll_s`.
+        A worker is hung when every gateway with a record of its running process (by pid) has it
+        FAILED, for the same incarnation, through the whole grace, and a gateway's FAILED event for
+        that incarnation says silence (`SILENCE_REASON`), not a broken stream. A gateway that cannot be
+        asked (restarting) stops the verdict for that round. `admin_key`: the admin bearer (default:
+        the first of LUMEN_ADMIN_API_KEYS, if set)."""
+        grace = self.hung_restart_grace_s
+        if grace <= 0 or not self.restart_killed:
+            return
+        if admin_key is None:
+            admin_key = os.environ.get("LUMEN_ADMIN_API_KEYS", "").split(",")[0].strip()
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        period = min(poll_s, grace / 4)
+        since: dict[tuple[str, int, int], float] = {}  # (worker, pid, incarnation) -> FAILED since
+        timeout = aiohttp.ClientTimeout(total=max(1.0, period * 4))
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as http:
+            while not stop.is_set():
+                views = await asyncio.gather(*(_admin_get(http, u + "/admin/workers") for u in urls))
+                now = time.monotonic()
+                seen: set[tuple[str, int, int]] = set()
+                for wid, wp in self.workers.items():
+                    proc = wp.proc
+                    if proc is None or proc.returncode is not None or any(v is None for v in views):
+                        continue
+                    recs = [
+                        w for v in views for w in v or () if w.get("id") == wid and w.get("pid") == proc.pid
+                    ]
+                    if not recs or any(w.get("state") != "FAILED" for w in recs):
+                        continue
+                    key = (wid, proc.pid, max(int(w.get("incarnation", 0)) for w in recs))
+                    seen.add(key)
+                    if now - since.setdefault(key, now) < grace:
+                        continue
+                    if await _failed_by_silence(http, urls, wid, key[2]):
+                        self._kill_hung(wp, proc, key[2])
+                        del since[key]
+                for key in set(since) - seen:
+                    del since[key]
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), period)
 
     # -- internals -------------------------------------------------------------------------------
     async def _spawn(self, wp: WorkerProcess, *, restart: bool) -> None:
@@ -177,6 +298,33 @@ class LocalCluster:
                 return
             await asyncio.sleep(0.05)  # do not spin if it dies at once
             await self._spawn(wp, restart=True)
+
+
+async def _admin_get(http: aiohttp.ClientSession, url: str) -> list[dict[str, Any]] | None:
+    try:
+        async with http.get(url) as resp:
+            if resp.status != 200:
+                return None
+            body = await resp.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    return body if isinstance(body, list) else None
+
+
+async def _failed_by_silence(
+    http: aiohttp.ClientSession, urls: list[str], worker: str, incarnation: int
+) -> bool:
+    """Whether some gateway failed this incarnation by silence (its FAILED event's reason)."""
+    for url in urls:
+        for e in await _admin_get(http, url + "/admin/events") or ():
+            if (
+                e.get("worker") == worker
+                and e.get("incarnation") == incarnation
+                and e.get("to") == "FAILED"
+                and str(e.get("reason", "")).startswith(SILENCE_REASON)
+            ):
+                return True
+    return False
 
 
 def _with_restart(spec: EngineSpec) -> EngineSpec:

@@ -44,7 +44,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Load `path` (default: configs/default.toml), apply overrides and environment, validate."""
     p = Path(path) if path else DEFAULT_CONFIG_PATH
     try:
-        text = p.read_text()
+        # an installed package has no configs/ folder: the sections' own defaults are the defaults
+        text = "" if path is None and not p.exists() else p.read_text()
     except OSError as exc:
         raise ConfigError("--config", str(p), f"cannot read: {exc.strerror}") from exc
     try:
@@ -71,7 +72,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 def apply_env(cfg: Config) -> Config:
     """Secrets from the environment: LUMEN_API_KEYS, LUMEN_ADMIN_API_KEYS (comma-separated),
-    LUMEN_CONTROL_TOKEN; each replaces its config key when set."""
+    LUMEN_CONTROL_TOKEN, LUMEN_CONTROL_TOKEN_FILE; each replaces its config key when set."""
     g = cfg.gateway
     env = os.environ
 
@@ -84,5 +85,6 @@ def apply_env(cfg: Config) -> Config:
         api_keys=keys("LUMEN_API_KEYS", g.api_keys),
         admin_api_keys=keys("LUMEN_ADMIN_API_KEYS", g.admin_api_keys),
         control_token=env.get("LUMEN_CONTROL_TOKEN", g.control_token),
+        control_token_file=env.get("LUMEN_CONTROL_TOKEN_FILE", g.control_token_file),
     )
     return dataclasses.replace(cfg, gateway=g)

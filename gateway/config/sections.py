@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from gateway.core.detector import DetectorParams
 from gateway.core.dispatch import DispatchParams, ThetaMode
 from gateway.core.gray import GrayParams
 from gateway.core.holders import HolderParams
@@ -29,6 +30,7 @@ _DISPATCH = DispatchParams()
 _HOLDERS = HolderParams()
 _PAIRING = PairingParams()
 _GRAY = GrayParams()
+_DETECT = DetectorParams()
 
 
 class LogFormat(StrEnum):
@@ -52,8 +54,19 @@ class GatewaySection:
     api_keys: tuple[str, ...] = ()
     # bearer keys for /admin; empty: admin is open on loopback only. Also from LUMEN_ADMIN_API_KEYS.
     admin_api_keys: tuple[str, ...] = ()
-    # shared secret workers present in Hello; empty: none. Also from LUMEN_CONTROL_TOKEN.
+    # shared secret workers present in Hello. Also from LUMEN_CONTROL_TOKEN. Empty: the gateway
+    # generates one at start and writes it to control_token_file (gateway/protocol/secrets.py)
     control_token: str = ""
+    # a 0600 file: read for the token when set and present (also LUMEN_CONTROL_TOKEN_FILE); where a
+    # generated token is written (default: $XDG_RUNTIME_DIR/lumen/control-token-<control port>)
+    control_token_file: str = ""
+    # TLS for the control plane (PEM files); required, with a token, when control_host is not
+    # loopback, unless control_insecure says the operator accepts a plaintext control plane
+    control_tls_cert: str = ""
+    control_tls_key: str = ""
+    control_insecure: bool = False
+    # accept on `port` with SO_REUSEPORT, beside other gateway processes of one cluster (all cores)
+    reuse_port: bool = False
     log_level: str = "info"
     log_format: LogFormat = LogFormat.CONSOLE
 
@@ -66,6 +79,16 @@ class LimitsSection:
     default_max_tokens: int = 256
     max_concurrent_requests: int = 8192
     max_n: int = 16  # the most choices (`n`) one request may ask for; each is a session of its own
+    # a connection has this long, from when it opens or its last response ends, to send a whole
+    # request head (slowloris); it is also the idle keep-alive time
+    header_timeout_s: float = 30.0
+    # a request body must arrive whole within this; also how long an unread body is drained after
+    # an early answer (401, 413, ...) before the connection closes
+    body_timeout_s: float = 30.0
+    # per API key (per client address when no keys are configured), 429 + Retry-After beyond; 0: unlimited
+    per_key_max_concurrent: int = 0
+    per_key_rate_per_s: float = 0.0  # requests per second, a token bucket refilled continuously
+    per_key_burst: int = 0  # the bucket's size; 0: the rate rounded up (at least 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,10 +137,35 @@ class TorchSection:
 
 @dataclass(frozen=True, slots=True)
 class HealthSection:
+    """Failure detection by silence (core/detector.py: adaptive thresholds, confirmed by a probe)."""
+
     heartbeat_interval_ms: int = 20
-    heartbeat_misses: int = 3
+    heartbeat_misses: int = _DETECT.misses  # FAILED never before this many intervals of silence
     # when most workers go silent at once, the gateway is the likelier culprit: wait this long
     correlated_silence_s: float = 1.0
+    detector_window: int = _DETECT.window  # heartbeat gaps the adaptive thresholds are learnt from
+    phi_suspect: float = _DETECT.phi_suspect  # SUSPECT past this suspicion level (φ-accrual)
+    phi_fail: float = _DETECT.phi_fail  # FAILED past this one (and the floors, and a probe)
+    min_std_ratio: float = _DETECT.min_std_ratio  # the gaps' deviation is taken as >= this x interval
+    pause_factor: float = _DETECT.pause_factor  # FAILED never before this x the longest recent gap
+    # a suspected Lumen worker's /health is probed; unanswered this long confirms FAILED (0: no probe)
+    probe_timeout_ms: int = round(1000 * _DETECT.probe_timeout_s)
+    max_silence_ms: int = round(1000 * _DETECT.max_silence_s)  # FAILED after this silence, whatever else
+    # FAILED and REMOVED worker records (of workers that never came back) are dropped after this
+    record_retention_s: float = 300.0
+
+    def detector(self) -> DetectorParams:
+        return DetectorParams(
+            interval_s=self.heartbeat_interval_ms / 1000,
+            misses=self.heartbeat_misses,
+            window=self.detector_window,
+            phi_suspect=self.phi_suspect,
+            phi_fail=self.phi_fail,
+            min_std_ratio=self.min_std_ratio,
+            pause_factor=self.pause_factor,
+            probe_timeout_s=self.probe_timeout_ms / 1000,
+            max_silence_s=self.max_silence_ms / 1000,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +227,9 @@ class RecoverySection:
     first_token_timeout_s: float = 120.0
     stall_timeout_s: float = 10.0  # between chunks once a stream has started
     no_worker_wait_s: float = 5.0  # how long a request waits for a HEALTHY worker before failing
+    # a Lumen worker keeps a request running this long after its gateway's connection drops, for
+    # another gateway to adopt when the client resumes its stream there (0: abort at once)
+    orphan_grace_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +270,11 @@ class ClusterSection:
     workers: int = 3
     failure_domains: int = 1
     restart_killed: bool = True
+    # local workers serve POST /lumen/fault (`lumen cluster kill --mode slow`): for test clusters only
+    fault_injection: bool = False
+    # a worker still FAILED this long after (silent, e.g. hung) while its process runs is killed
+    # (SIGKILL) and restarted as usual; 0: never
+    hung_restart_grace_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,12 +4,14 @@ naming this section's key."""
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 from gateway.config.errors import ConfigError
-from gateway.config.sections import Config
+from gateway.config.sections import Config, GatewaySection
 from gateway.core.costmodel import GPUS, MODELS
 from gateway.core.dispatch import DispatchParams
 from gateway.core.draftpairs import DraftError, validate_pairs
@@ -20,6 +22,7 @@ from gateway.core.types import LoadParams, ParamError
 from gateway.protocol.launch import TORCH_PRESETS
 
 MAX_N = 128  # limits.max_n's ceiling
+MAX_HTTP_TIMEOUT_S = 3600.0  # limits.header_timeout_s' and limits.body_timeout_s' ceiling
 
 
 def _check(ok: bool, key: str, value: object, why: str) -> None:
@@ -72,6 +75,40 @@ def _gateway(cfg: Config) -> None:
     _choice("gateway.log_level", g.log_level, ("debug", "info", "warning", "error"))
     for i, k in enumerate(g.api_keys):
         _check(len(k) >= 8, f"gateway.api_keys[{i}]", "***", "an API key must have at least 8 characters")
+    _control_plane(g)
+
+
+def _control_plane(g: GatewaySection) -> None:
+    """Beyond loopback the control plane needs TLS (the token would cross the network in clear text),
+    unless the operator says control_insecure explicitly."""
+    if g.control_token:
+        _check(len(g.control_token) >= 16, "gateway.control_token", "***", "must have at least 16 characters")
+    _check(
+        bool(g.control_tls_cert) == bool(g.control_tls_key),
+        "gateway.control_tls_key" if g.control_tls_cert else "gateway.control_tls_cert",
+        "",
+        "control_tls_cert and control_tls_key go together",
+    )
+    for key, path in (("gateway.control_tls_cert", g.control_tls_cert), ("gateway.control_tls_key", g.control_tls_key)):
+        if path:
+            _check(Path(path).is_file(), key, path, "file not found")
+    if not is_loopback(g.control_host) and not g.control_tls_cert and not g.control_insecure:
+        raise ConfigError(
+            "gateway.control_host",
+            g.control_host,
+            "binding the control plane beyond loopback needs TLS (gateway.control_tls_cert and "
+            "control_tls_key); set gateway.control_insecure = true (lumen gateway --insecure) to accept "
+            "a plaintext control plane",
+        )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _limits(cfg: Config) -> None:
@@ -91,6 +128,32 @@ def _limits(cfg: Config) -> None:
         "limits.max_n",
         lim.max_n,
         f"must be in 1..{MAX_N} (each choice is a request of its own on the workers)",
+    )
+    for key, value in (("header_timeout_s", lim.header_timeout_s), ("body_timeout_s", lim.body_timeout_s)):
+        _check(
+            0 < value <= MAX_HTTP_TIMEOUT_S,
+            f"limits.{key}",
+            value,
+            f"must be in (0, {MAX_HTTP_TIMEOUT_S:g}] seconds (a slow client holds a connection that long)",
+        )
+    _check(
+        lim.per_key_max_concurrent >= 0,
+        "limits.per_key_max_concurrent",
+        lim.per_key_max_concurrent,
+        "must be >= 0 (0: unlimited)",
+    )
+    _check(
+        0 <= lim.per_key_rate_per_s < math.inf,
+        "limits.per_key_rate_per_s",
+        lim.per_key_rate_per_s,
+        "must be a finite number >= 0 (0: unlimited)",
+    )
+    _check(lim.per_key_burst >= 0, "limits.per_key_burst", lim.per_key_burst, "must be >= 0")
+    _check(
+        lim.per_key_burst == 0 or lim.per_key_rate_per_s > 0,
+        "limits.per_key_burst",
+        lim.per_key_burst,
+        "needs limits.per_key_rate_per_s > 0 (the burst is the size of the rate's bucket)",
     )
 
 
@@ -161,6 +224,35 @@ def _health(cfg: Config) -> None:
     )
     _check(h.heartbeat_misses >= 1, "health.heartbeat_misses", h.heartbeat_misses, "must be >= 1")
     _positive("health.correlated_silence_s", h.correlated_silence_s)
+    _check(
+        h.probe_timeout_ms >= 0, "health.probe_timeout_ms", h.probe_timeout_ms, "must be >= 0 (0: no probe)"
+    )
+    _positive("health.record_retention_s", h.record_retention_s)
+    floor = h.heartbeat_interval_ms * h.heartbeat_misses
+    _check(
+        h.max_silence_ms >= floor,
+        "health.max_silence_ms",
+        h.max_silence_ms,
+        f"must be >= {floor} (interval x misses)",
+    )
+    _check(
+        h.probe_timeout_ms < h.max_silence_ms,
+        "health.probe_timeout_ms",
+        h.probe_timeout_ms,
+        "must be < health.max_silence_ms",
+    )
+    # the detector's own bounds (core/detector.py), named by this section's keys
+    _core(
+        "health",
+        h.detector,
+        {
+            "interval_s": "health.heartbeat_interval_ms",
+            "misses": "health.heartbeat_misses",
+            "window": "health.detector_window",
+            "probe_timeout_s": "health.probe_timeout_ms",
+            "max_silence_s": "health.max_silence_ms",
+        },
+    )
 
 
 def _policies(cfg: Config) -> None:
@@ -243,6 +335,12 @@ def _timeouts_and_cluster(cfg: Config) -> None:
         "cluster.failure_domains",
         cl.failure_domains,
         "must be in 1..cluster.workers",
+    )
+    _check(
+        cl.hung_restart_grace_s >= 0,
+        "cluster.hung_restart_grace_s",
+        cl.hung_restart_grace_s,
+        "must be >= 0 (0: never)",
     )
 
 

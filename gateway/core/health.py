@@ -1,7 +1,8 @@
 """Worker lifecycle states as the gateway sees them, and the legal transitions between them.
 
 The table is data: an illegal transition raises, so a bug in the shell cannot silently put a worker
-in a state the policies do not expect.
+in a state the policies do not expect. When silence makes a worker SUSPECT or FAILED is
+gateway/core/detector.py's verdict.
 """
 
 from __future__ import annotations
@@ -91,51 +92,3 @@ def state_for_phase(current: WorkerState, phase: Phase) -> WorkerState:
         return S.DRAINING if current in (S.HEALTHY, S.SUSPECT, S.DRAINING, S.DEGRADED) else current
     # loading phases: a first start stays JOINING, a restart stays RESTARTING
     return current
-
-
-def missed_heartbeat_state(
-    current: WorkerState, since_last_s: float, interval_s: float, misses: int
-) -> WorkerState:
-    """Failure detection by silence: SUSPECT after one missed interval, FAILED after `misses`.
-
-    `since_last_s` is the time since the last heartbeat. Only live states are affected.
-    """
-    if current not in ALIVE_STATES:
-        return current
-    if since_last_s > misses * interval_s:
-        return S.FAILED
-    if current in (S.HEALTHY, S.DEGRADED) and since_last_s > interval_s * 1.5:
-        # 1.5 intervals: one heartbeat is late by more than half a period, i.e. it was missed
-        return S.SUSPECT
-    return current
-
-
-def silence_verdicts(
-    silences: dict[str, tuple[WorkerState, float]],
-    interval_s: float,
-    misses: int,
-    correlated_grace_s: float,
-) -> dict[str, WorkerState]:
-    """New states for workers by silence, guarding against the gateway being the slow one.
-
-    `silences` maps worker id to (state, seconds since its last heartbeat). When at least two and more
-    than half of the live workers would be declared FAILED in the same tick, the silence is more
-    likely the gateway's own (a stalled event loop, a starved CPU) than half the cluster failing at
-    once; those workers become SUSPECT and are failed only after `correlated_grace_s` of silence.
-    Crashes are still detected at once by their broken streams, which this does not delay.
-    """
-    out = {
-        wid: missed_heartbeat_state(st, since, interval_s, misses) for wid, (st, since) in silences.items()
-    }
-    alive = [wid for wid, (st, _) in silences.items() if st in ALIVE_STATES]
-    failing = [wid for wid in alive if out[wid] is WorkerState.FAILED]
-    if len(failing) >= 2 and 2 * len(failing) > len(alive):
-        for wid in failing:
-            st, since = silences[wid]
-            if since <= correlated_grace_s:
-                out[wid] = (
-                    WorkerState.SUSPECT
-                    if WorkerState.SUSPECT in TRANSITIONS[st] or st is WorkerState.SUSPECT
-                    else st
-                )
-    return out

@@ -23,7 +23,7 @@ SERVING: Phase
 DRAINING: Phase
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "incarnation", "model", "draft_model", "http_url", "kv_endpoint", "draft_endpoint", "kv_capacity_tokens", "ckpt_budget_bytes", "failure_domain", "auth_token", "page_size", "pid", "max_running_requests", "phase", "engine", "tp", "awaiting_seed")
+    __slots__ = ("protocol_version", "worker_id", "incarnation", "model", "draft_model", "http_url", "kv_endpoint", "draft_endpoint", "kv_capacity_tokens", "ckpt_budget_bytes", "failure_domain", "auth_token", "page_size", "pid", "max_running_requests", "phase", "engine", "tp", "awaiting_seed", "plane_key")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class Hello(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
     AWAITING_SEED_FIELD_NUMBER: _ClassVar[int]
+    PLANE_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     incarnation: int
@@ -62,7 +63,8 @@ class Hello(_message.Message):
     engine: str
     tp: int
     awaiting_seed: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., draft_model: _Optional[str] = ..., http_url: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., draft_endpoint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ckpt_budget_bytes: _Optional[int] = ..., failure_domain: _Optional[str] = ..., auth_token: _Optional[str] = ..., page_size: _Optional[int] = ..., pid: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., engine: _Optional[str] = ..., tp: _Optional[int] = ..., awaiting_seed: _Optional[bool] = ...) -> None: ...
+    plane_key: str
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., draft_model: _Optional[str] = ..., http_url: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., draft_endpoint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ckpt_budget_bytes: _Optional[int] = ..., failure_domain: _Optional[str] = ..., auth_token: _Optional[str] = ..., page_size: _Optional[int] = ..., pid: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., engine: _Optional[str] = ..., tp: _Optional[int] = ..., awaiting_seed: _Optional[bool] = ..., plane_key: _Optional[str] = ...) -> None: ...
 
 class DurableTokens(_message.Message):
     __slots__ = ("rid", "tokens")
@@ -171,16 +173,18 @@ class DropCheckpoint(_message.Message):
     def __init__(self, rids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StartDraftAssist(_message.Message):
-    __slots__ = ("peer_id", "peer_endpoint", "role", "k")
+    __slots__ = ("peer_id", "peer_endpoint", "role", "k", "peer_plane_key")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    PEER_PLANE_KEY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     peer_endpoint: str
     role: str
     k: int
-    def __init__(self, peer_id: _Optional[str] = ..., peer_endpoint: _Optional[str] = ..., role: _Optional[str] = ..., k: _Optional[int] = ...) -> None: ...
+    peer_plane_key: str
+    def __init__(self, peer_id: _Optional[str] = ..., peer_endpoint: _Optional[str] = ..., role: _Optional[str] = ..., k: _Optional[int] = ..., peer_plane_key: _Optional[str] = ...) -> None: ...
 
 class StopDraftAssist(_message.Message):
     __slots__ = ("peer_id",)
@@ -200,8 +204,32 @@ class ReloadFrom(_message.Message):
     seed_url: str
     def __init__(self, seed_worker_id: _Optional[str] = ..., seed_url: _Optional[str] = ...) -> None: ...
 
+class PlaneMember(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "plane_key", "kv_endpoint", "draft_endpoint")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PLANE_KEY_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: int
+    plane_key: str
+    kv_endpoint: str
+    draft_endpoint: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., plane_key: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., draft_endpoint: _Optional[str] = ...) -> None: ...
+
+class Members(_message.Message):
+    __slots__ = ("seq", "members", "gateway_keys")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_KEYS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    members: _containers.RepeatedCompositeFieldContainer[PlaneMember]
+    gateway_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PlaneMember, _Mapping]]] = ..., gateway_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GatewayMessage(_message.Message):
-    __slots__ = ("incarnation", "welcome", "refuse", "assign_holder", "drop_checkpoint", "start_draft_assist", "stop_draft_assist", "drain", "reload_from")
+    __slots__ = ("incarnation", "welcome", "refuse", "assign_holder", "drop_checkpoint", "start_draft_assist", "stop_draft_assist", "drain", "reload_from", "members")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     REFUSE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +239,7 @@ class GatewayMessage(_message.Message):
     STOP_DRAFT_ASSIST_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     RELOAD_FROM_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     welcome: Welcome
     refuse: Refuse
@@ -220,4 +249,5 @@ class GatewayMessage(_message.Message):
     stop_draft_assist: StopDraftAssist
     drain: Drain
     reload_from: ReloadFrom
-    def __init__(self, incarnation: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., assign_holder: _Optional[_Union[AssignHolder, _Mapping]] = ..., drop_checkpoint: _Optional[_Union[DropCheckpoint, _Mapping]] = ..., start_draft_assist: _Optional[_Union[StartDraftAssist, _Mapping]] = ..., stop_draft_assist: _Optional[_Union[StopDraftAssist, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., reload_from: _Optional[_Union[ReloadFrom, _Mapping]] = ...) -> None: ...
+    members: Members
+    def __init__(self, incarnation: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., assign_holder: _Optional[_Union[AssignHolder, _Mapping]] = ..., drop_checkpoint: _Optional[_Union[DropCheckpoint, _Mapping]] = ..., start_draft_assist: _Optional[_Union[StartDraftAssist, _Mapping]] = ..., stop_draft_assist: _Optional[_Union[StopDraftAssist, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., reload_from: _Optional[_Union[ReloadFrom, _Mapping]] = ..., members: _Optional[_Union[Members, _Mapping]] = ...) -> None: ...

@@ -3,6 +3,8 @@ load-test fault schedules: what each mode does is the supervisor's business (gat
 
 from __future__ import annotations
 
+import signal
+
 # kill: kill -9; hang: the whole process freezes (heartbeats stop); stall: only the engine loop
 # freezes (heartbeats go on: a gray failure); resume / unstall undo them; term: graceful stop
 SIGNAL_MODES = ("kill", "hang", "resume", "stall", "unstall", "term")
@@ -12,3 +14,13 @@ SIGNAL_MODES = ("kill", "hang", "resume", "stall", "unstall", "term")
 SPEED_MODES = ("slow", "normal")
 FAULT_MODES = (*SIGNAL_MODES, *SPEED_MODES)
 SLOWDOWN_RANGE = (1.0, 1000.0)  # a factor below 1 would be a speed-up; far beyond, a stall models it
+
+# each of SIGNAL_MODES as the signal that carries it to a local worker process (a test checks they agree)
+FAULT_SIGNALS: dict[str, signal.Signals] = {
+    "kill": signal.SIGKILL,
+    "hang": signal.SIGSTOP,
+    "resume": signal.SIGCONT,
+    "stall": signal.SIGUSR1,
+    "unstall": signal.SIGUSR2,
+    "term": signal.SIGTERM,
+}

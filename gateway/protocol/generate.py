@@ -55,6 +55,11 @@ class LumenExt(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     seed_base: int = 0
     checkpoint: list[HolderRef] = msgspec.field(default_factory=list)
     attempt: int = 0
+    # > 0: when the gateway's connection drops before the end, the worker keeps the request running,
+    # its output kept, this long for another gateway to adopt (`POST /lumen/adopt`), then aborts it.
+    # 0: a dropped connection aborts the request at once. A gateway ends a request it gives up on
+    # with /abort_request.
+    orphan_grace_s: float = 0.0
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -230,6 +235,15 @@ class ErrorResponse(msgspec.Struct):
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
     rid: str
+
+
+class AdoptRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /lumen/adopt` on a Lumen worker: take over a request whose gateway went away (still in
+    its orphan grace). The answer is the request's stream from its first output id: one chunk with
+    every id so far, then the rest as it comes. 404 when the worker no longer has it."""
+
+    rid: str
+    epoch: int = 0  # the incarnation the adopting gateway believes the request runs on; 0: any
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -41,7 +41,14 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0  # 0: the OS picks; the worker reports its URL in Hello
     control_address: str  # host:port of the gateway's gRPC control plane ("" = run unattached)
+    # further gateways of the same cluster: the worker attaches to each (one control session apiece)
+    more_control_addresses: list[str] = msgspec.field(default_factory=list)
+    # the cluster secret (gateway/protocol/secrets.py): authenticates Hello; the worker's HTTP API
+    # then takes only requests with the bearer derived from it. "" (tests only): no checks
     control_token: str = ""
+    control_tls_ca: str = ""  # PEM the control plane's TLS certificate must chain to; "": plaintext
+    # POST /lumen/fault (slow a worker down) exists only on a worker started for testing
+    fault_injection: bool = False
     backend: Backend = Backend.SYNTHETIC
     model: str = "Qwen3-32B"
     gpu: str = "H100-80G"

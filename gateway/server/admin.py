@@ -117,6 +117,11 @@ class AdminAPI:
         if mode not in FAULT_MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(FAULT_MODES)}, not {mode!r}", param="mode")
         if mode in SPEED_MODES:
+            if not self.gw.config.cluster.fault_injection:
+                raise InvalidRequest(
+                    f"mode={mode} needs workers started for testing: set cluster.fault_injection = true",
+                    param="mode",
+                )
             factor = _slowdown_factor(request.query.get("factor")) if mode == "slow" else 1.0
             result = await self._set_slowdown(wid, mode, factor)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 
 import aiohttp
 import structlog
@@ -21,12 +22,15 @@ from gateway.core.pairing import PairingParams
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
 from gateway.protocol.generate import EngineKind
+from gateway.protocol.secrets import worker_http_bearer
 from gateway.protocol.sglang import sglang_rid
 from gateway.server.admin import AdminAPI, FaultInjector
+from gateway.server.api.http_server import ClientRunner
 from gateway.server.api.middleware import error_middleware
 from gateway.server.api.routes import add_client_routes
 from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.checkpoints import CheckpointManager
+from gateway.server.control_secret import publish_token, tls_credentials, with_control_token
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
 from gateway.server.recovery.pairing import DraftCoordinator
@@ -42,6 +46,9 @@ log = structlog.get_logger("lumen.gateway")
 
 class Gateway:
     def __init__(self, config: Config, *, fault_injector: FaultInjector | None = None) -> None:
+        # never an open control plane: no token configured -> one generated (written at start)
+        config, self._generated_token = with_control_token(config)
+        self._token_file: Path | None = None
         self.config = config
         self.fault_injector = fault_injector
         self.metrics = GatewayMetrics()
@@ -50,6 +57,8 @@ class Gateway:
             heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
             heartbeat_misses=config.health.heartbeat_misses,
             correlated_grace_s=config.health.correlated_silence_s,
+            detector=config.health.detector(),
+            record_retention_s=config.health.record_retention_s,
         )
         self.monitor.on_state_change.append(self._on_state_change)
         self.control = ControlService(
@@ -140,11 +149,15 @@ class Gateway:
     async def start(self) -> None:
         g = self.config.gateway
         self._grpc, self.control_port = await start_control_server(
-            self.control, g.control_host, g.control_port
+            self.control, g.control_host, g.control_port, tls=tls_credentials(g)
         )
+        if self._generated_token:
+            self._token_file = publish_token(g, self.control_port)
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.timeouts.worker_connect_s),
+            # Lumen's workers take requests only with the cluster's bearer (derived from the token)
+            headers={"Authorization": f"Bearer {worker_http_bearer(g.control_token)}"},
         )
         self.sessions = SessionManager(
             monitor=self.monitor,
@@ -184,15 +197,18 @@ class Gateway:
             self.monitor.measure_tokens = True  # sessions measure each worker's time per token
             self._gray_task = asyncio.create_task(self._watch_gray(), name="gray-failures")
         app = self.build_app()
-        self._runner = web.AppRunner(
+        # aiohttp's runner with OpenAI error bodies for parser errors and the limits' read deadlines
+        self._runner = ClientRunner(
             app,
+            self.config,
             access_log=None,
             shutdown_timeout=self.config.timeouts.shutdown_grace_s,
             # a client that goes away cancels its handler, which closes the worker stream (abort)
             handler_cancellation=True,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, g.host, g.port)
+        # reuse_port: several gateway processes accept on one port (the kernel spreads connections)
+        site = web.TCPSite(self._runner, g.host, g.port, reuse_port=g.reuse_port or None)
         await site.start()
         self.http_port = int(self._runner.addresses[0][1])
         log.info(
@@ -228,6 +244,9 @@ class Gateway:
             await self._grpc.stop(grace=0.5)
         if self._http is not None:
             await self._http.close()
+        if self._token_file is not None:
+            self._token_file.unlink(missing_ok=True)
+            self._token_file = None
 
     def build_app(self) -> web.Application:
         if self.sessions is None:

@@ -34,6 +34,13 @@ class GatewayMetrics:
             "lumen_interrupted_requests", "Requests whose worker failed mid-flight", ["mode"], registry=r
         )
         self.resumes = Counter("lumen_resumes", "Resumed attempts by how they resumed", ["kind"], registry=r)
+        self.stream_resumes = Counter(
+            "lumen_stream_resumes",
+            "Client streams resumed here with Last-Event-ID, by how (adopt: taken over on its worker; "
+            "replay: recomputed with the same seed)",
+            ["how"],
+            registry=r,
+        )
         self.resume_delay = Histogram(
             "lumen_resume_delay_seconds",
             "Gap between the last token before a failure and the first after it",

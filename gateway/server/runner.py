@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 
@@ -11,6 +12,7 @@ import structlog
 
 from gateway.config import Config
 from gateway.server.app import Gateway
+from gateway.server.local_faults import LOCAL_FAULTS_ENV, SignalFaults
 
 log = structlog.get_logger("lumen.runner")
 
@@ -26,12 +28,16 @@ def stop_event() -> asyncio.Event:
 async def run_gateway(config: Config) -> None:
     stop = stop_event()
     gw = Gateway(config)
+    if os.environ.get(LOCAL_FAULTS_ENV):  # started by a local cluster supervisor
+        gw.fault_injector = SignalFaults(gw.monitor)
     await gw.start()
     announce(
         {
             "event": "ready",
             "url": f"http://{config.gateway.host}:{gw.http_port}",
             "control_port": gw.control_port,
+            "pid": os.getpid(),
+            "started_at_monotonic": gw.started_at,
         }
     )
     try:

@@ -6,6 +6,14 @@ that worker fails (detected by the monitor, a broken connection, or a stall), th
 a survivor with `input_ids = prompt + emitted`; the client sees one stream with no token duplicated,
 missing or reordered. With seeded sampling the worker samples position p with RNG(seed_base, p), so
 the continuation is the one the failed worker would have produced.
+
+A job resumed on this gateway after another one died (Last-Event-ID; `job.adopt`) first tries to
+adopt the request still running on its worker (`POST /lumen/adopt`: Lumen's workers keep a request
+whose gateway vanished for `recovery.orphan_grace_s`); if the worker is gone or no longer has it, the
+session replays it from the prompt with the same seed, which gives the same tokens. Either way the
+session yields the output from its first id; the API skips what the client already has. A session
+that gives up on an attempt (the client left, a stop string matched, the request moved) aborts it on
+its worker by rid, since a dropped connection alone no longer does.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
 from gateway.protocol.generate import (
+    AdoptRequest,
     EngineKind,
     GenerateChunk,
     GenerateRequest,
@@ -41,7 +50,7 @@ from gateway.protocol.generate import (
 )
 from gateway.protocol.sglang import SGLangAbort, SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
-from gateway.server.api.jobs import GenerateJob, TokenDelta
+from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
@@ -87,6 +96,8 @@ class Session:
     last_token_at: float | None = None
     interruptions: list[Interruption] = field(default_factory=list)
     finish_reason: str | None = None
+    # a resumed stream: "adopt" (taken over on its worker), "replay" (recomputed), "" (not resumed)
+    resumed_by: str = ""
 
     @property
     def remaining(self) -> int:
@@ -172,6 +183,15 @@ class SessionManager:
     async def _run(self, s: Session) -> AsyncIterator[TokenDelta]:
         rec_cfg = self.recovery
         excluded: set[str] = set()
+        if s.job.adopt is not None:
+            adopted = False
+            async for delta in self._adopt(s, s.job.adopt):
+                adopted = True
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+            if adopted:  # adopted, then lost: its worker failed; resume from what it gave
+                excluded.add(s.job.adopt.worker_id)
         while True:
             done = s.finished_by_tokens() if s.attempts > 0 else None
             if done is not None:
@@ -224,6 +244,47 @@ class SessionManager:
             it.action, it.dispatch_reason = decision.action, decision.reason
         return worker
 
+    async def _adopt(self, s: Session, at: Attempt) -> AsyncIterator[TokenDelta]:
+        """Take over the request another gateway left running on `at.worker_id`; yields nothing when
+        it cannot (worker gone, request aborted or expired): the caller replays it then."""
+        worker = self.monitor.workers.get(at.worker_id)
+        usable = (
+            worker is not None
+            and worker.engine is not EngineKind.SGLANG  # SGLang aborts a request whose client left
+            and worker.incarnation == at.epoch
+            and worker.state in ALIVE_STATES
+        )
+        if worker is None or not usable:
+            self._resumed(s, "replay", at, "its worker is gone")
+            return
+        s.attempts += 1
+        s.worker_id, s.incarnation = worker.id, worker.incarnation
+        stream = WorkerStream(
+            self.http,
+            worker.http_url,
+            AdoptRequest(rid=at.wrid, epoch=at.epoch),
+            first_chunk_timeout_s=self.recovery.first_token_timeout_s,
+            stall_timeout_s=self.recovery.stall_timeout_s,
+            path="/lumen/adopt",
+        )
+        try:
+            async for delta in self._stream(s, worker, stream, at.wrid, on_open=lambda: self._resumed(s, "adopt", at)):
+                yield delta
+        except WorkerRefused as exc:  # 404: no longer there; 409: another incarnation
+            self._resumed(s, "replay", at, f"adoption refused ({exc.status})")
+        except WorkerLost as exc:
+            if exc.connection_broke:
+                self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
+            if not s.resumed_by:  # it died before answering: recompute
+                self._resumed(s, "replay", at, exc.reason)
+            else:
+                self._note_interruption(s, worker, exc.reason)
+
+    def _resumed(self, s: Session, how: str, at: Attempt, why: str = "") -> None:
+        s.resumed_by = how
+        self.metrics.stream_resumes.labels(how=how).inc()
+        log.info("stream_resumed", rid=s.job.rid, how=how, worker=at.worker_id, wrid=at.wrid, why=why or None)
+
     async def _attempt(self, s: Session, worker: WorkerRecord) -> AsyncIterator[TokenDelta]:
         sp = s.job.sampling
         wrid = f"{s.job.rid}-{s.attempts}"
@@ -256,7 +317,11 @@ class SessionManager:
             return_logprob=s.job.logprobs is not None,
             top_logprobs_num=s.job.logprobs or 0,
             lumen=LumenExt(
-                epoch=worker.incarnation, seed_base=s.seed_base, attempt=s.attempts, checkpoint=holders
+                epoch=worker.incarnation,
+                seed_base=s.seed_base,
+                attempt=s.attempts,
+                checkpoint=holders,
+                orphan_grace_s=self.recovery.orphan_grace_s,
             ),
         )
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
@@ -291,13 +356,38 @@ class SessionManager:
                 first_chunk_timeout_s=self.recovery.first_token_timeout_s,
                 stall_timeout_s=self.recovery.stall_timeout_s,
             )
+        try:
+            async for delta in self._stream(s, worker, stream, wrid):
+                yield delta
+        finally:
+            if assist is not None and isinstance(stream, AssistedStream) and self.verifier is not None:
+                self.verifier.record(assist[0], worker.id, stream)
+                self.metrics.gateway_drafts.labels(target=worker.id, outcome="proposed").inc(stream.drafted)
+                self.metrics.gateway_drafts.labels(target=worker.id, outcome="accepted").inc(stream.accepted)
+            if s.finish_reason is None:
+                # given up here (client gone, stop string, moved elsewhere): a dropped connection does
+                # not end it on the worker (orphan grace; some SGLang deployments), its rid does
+                self._abort_on(worker, body.rid if isinstance(body, SGLangGenerate) else wrid)
+
+    async def _stream(
+        self,
+        s: Session,
+        worker: WorkerRecord,
+        stream: WorkerStream | AssistedStream,
+        wrid: str,
+        on_open: Callable[[], None] | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """One attempt's chunks as deltas, with the worker watched (its failure interrupts the stream)."""
         sub = self.monitor.watch(worker.id, worker.incarnation, stream.interrupt)
         if sub is None:
             raise WorkerLost(f"worker {worker.id} incarnation {worker.incarnation} is gone")
         worker.inflight += 1
         prev_chunk_at: float | None = None
+        source = Attempt(worker.id, wrid, worker.incarnation)
         try:
             async with stream:
+                if on_open is not None:
+                    on_open()
                 while (chunk := await stream.next_chunk()) is not None:
                     ids = chunk.output_ids
                     fin = chunk.meta_info.finish_reason
@@ -324,19 +414,13 @@ class SessionManager:
                         else None,
                         cached_tokens=chunk.meta_info.cached_tokens,
                         logprobs=lps,
+                        attempt=source,
                     )
                     if finish is not None:
                         return
         finally:
             worker.inflight -= 1
             self.monitor.unwatch(worker.id, sub)
-            if assist is not None and isinstance(stream, AssistedStream) and self.verifier is not None:
-                self.verifier.record(assist[0], worker.id, stream)
-                self.metrics.gateway_drafts.labels(target=worker.id, outcome="proposed").inc(stream.drafted)
-                self.metrics.gateway_drafts.labels(target=worker.id, outcome="accepted").inc(stream.accepted)
-            if sglang and s.finish_reason is None and isinstance(body, SGLangGenerate):
-                # closing the stream is not enough for every SGLang deployment: abort it by rid
-                self._abort_on(worker, body.rid)
 
     @staticmethod
     def _restored(s: Session, worker: WorkerRecord, chunk: GenerateChunk) -> int:
@@ -361,8 +445,8 @@ class SessionManager:
             raise WorkerLost(f"worker {worker.id} sent bad logprobs: {exc}", worker_error=True) from exc
 
     def _abort_on(self, worker: WorkerRecord, rid: str) -> None:
-        """Ask an SGLang server to drop `rid` (the client left, or the request moved elsewhere).
-        Best effort, in the background: a dead server needs no abort."""
+        """Ask a worker to drop `rid` (the client left, or the request moved elsewhere). Best effort,
+        in the background: a dead worker needs no abort."""
         if worker.state not in ALIVE_STATES:
             return
         task = asyncio.get_running_loop().create_task(self._post_abort(worker.http_url, rid))

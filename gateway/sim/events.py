@@ -20,6 +20,7 @@ PHASE = 5  # a restarting worker reaches a phase; a = worker, b = (incarnation, 
 TICK = 6  # periodic sampling and draft-assist re-pairing
 GIVE_UP = 7  # a request that found no HEALTHY worker has waited long enough; a = request
 SEED = 8  # a seeded reload's transfer begins: the seed slows down; a = the reload (simulation._Reload)
+RESTART = 9  # a hung worker still FAILED is killed and restarted; a = worker, b = its hung incarnation
 
 Event = tuple[float, int, int, Any, Any]
 

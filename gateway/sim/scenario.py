@@ -18,6 +18,7 @@ import numpy as np
 
 from gateway.config.convert import build
 from gateway.core.costmodel import GPUS, MODELS, ReloadSource
+from gateway.core.detector import DetectorParams
 from gateway.core.dispatch import DispatchParams, ThetaMode
 from gateway.core.gray import GrayParams
 from gateway.core.holders import HolderParams, ring_key
@@ -73,7 +74,10 @@ class WorkloadSpec:
 @dataclass(frozen=True, slots=True)
 class FailureSpec:
     at_s: float = 60.0
-    kind: Literal["kill", "slow"] = "kill"
+    # kill: the process dies (its streams break: detected `recovery.detection_s` later); hang: it
+    # stops and answers nothing (detected by silence, core/detector.py; restarted after
+    # `recovery.hung_restart_grace_s`); slow: its steps take `slowdown` x longer (a gray failure)
+    kind: Literal["kill", "slow", "hang"] = "kill"
     # victims: explicit ids, or a seeded random fraction of the workers, or a failure domain, or the
     # worker holding most checkpoints of a worker that failed earlier (ring successor without any)
     workers: tuple[str, ...] = ()
@@ -85,7 +89,10 @@ class FailureSpec:
 
 @dataclass(frozen=True, slots=True)
 class RecoverySpec:
-    detection_s: float = 0.06
+    detection_s: float = 0.06  # a kill (a broken stream) is detected this long after
+    # hangs are detected by silence: heartbeats this often, judged by the live gateway's detector
+    heartbeat_interval_s: float = 0.02
+    hung_restart_grace_s: float = 5.0  # a hung worker still FAILED this long is killed and restarted
     restart: bool = True
     alpha: float = _LOAD.alpha
     beta: float = _LOAD.beta
@@ -236,6 +243,12 @@ def validate(s: Scenario) -> None:
         if not ok:
             raise ScenarioError(message)
     _core("recovery", lambda: LoadParams(r.alpha, r.beta, c.max_running_requests))
+    try:
+        DetectorParams(interval_s=r.heartbeat_interval_s)
+    except ParamError as exc:
+        raise ScenarioError(f"recovery.heartbeat_interval_s: {exc.why}, got {exc.value!r}") from exc
+    if not r.hung_restart_grace_s >= 0:
+        raise ScenarioError(f"recovery.hung_restart_grace_s: must be >= 0, got {r.hung_restart_grace_s!r}")
     _core(
         "recovery", lambda: HolderParams(replicas=r.replicas, exclude_failure_domain=r.exclude_failure_domain)
     )

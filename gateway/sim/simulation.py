@@ -8,7 +8,12 @@ it `detection_s` later (requests it routes there meanwhile are lost too), dispat
 request (or, in mode `none`, fails it), and restarts the worker as a new incarnation. The restart
 loads the full model (`load_time`), or with draft assist the draft model first (DRAFT_READY: it
 drafts for the survivor Algorithm 3 picks) and then the full weights with no second engine start.
-A `slow` failure multiplies one worker's step times without killing it (a gray failure).
+A `slow` failure multiplies one worker's step times without killing it (a gray failure). A `hang`
+stops a worker as a kill does (its requests are lost with its KV), but nothing breaks: the gateway
+sees only silence, and the detection time comes from the live gateway's own verdict
+(`gateway.core.detector.hang_detection_s`: the worker's heartbeats every `heartbeat_interval_s`, the
+detector's tick, its probe going unanswered, the correlated-silence guard when most of the cluster
+hangs at once); the local supervisor then kills and restarts it `hung_restart_grace_s` after that.
 
 Seeded reload (`recovery.reload = "peer"`, issue 14): when the restart is launched, the core picks a
 seed survivor (`gateway.core.reload.choose_seed`: HEALTHY, not sending to another restart, least
@@ -27,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.core.costmodel import CostModel, ReloadSource
+from gateway.core.detector import DetectorParams, hang_detection_s
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import checkpoint_coverage, holder_balance
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
@@ -153,6 +159,8 @@ class Simulation:
             route_by_checkpoint_load=rec.route_by_checkpoint_load,
         )
         self.failures: tuple[FailureSpec, ...] = scenario.failures if failures else ()
+        self.detector = DetectorParams(interval_s=rec.heartbeat_interval_s)
+        self.hung: set[SimWorker] = set()  # hung, not yet restarted
         self.victims = scenario.victims(seed)
         self.tallies: dict[str, dict[str, int]] = {}
         self.coverage_flags: list[bool] = []
@@ -209,6 +217,8 @@ class Simulation:
                 self._fail(a, t)
             elif kind == ev.SEED:
                 self._seed_sends(a, b, t)
+            elif kind == ev.RESTART:
+                self._restart_hung(a, b, t)
             if progress is not None and not events & 4095:
                 progress(t)
         return self._result(events)
@@ -325,8 +335,19 @@ class Simulation:
             self.tallies[w.id] = tally
             for r in w.kill(now):
                 self._interrupt(r)
-        detect_at = now + self.scenario.recovery.detection_s
+        if f.kind == "hang":
+            self.hung.update(victims)
+            detect_at = now + self._hang_detection(len(victims), now)
+        else:
+            detect_at = now + self.scenario.recovery.detection_s
         self.queue.push(detect_at, ev.DETECT, tuple((w, w.incarnation) for w in victims))
+
+    def _hang_detection(self, hung: int, now: float) -> float:
+        """Seconds from `hung` workers stopping at `now` to FAILED, by the live gateway's verdict:
+        heartbeats on the interval grid (the last one `now mod interval` ago), the others beating."""
+        others = sum(1 for w in self.workers if w.alive)  # the hung ones are not alive any more
+        interval = self.detector.interval_s
+        return hang_detection_s(self.detector, phase_s=now % interval, others=others, hung=hung)
 
     @staticmethod
     def _interrupt(r: SimRequest) -> None:
@@ -366,9 +387,21 @@ class Simulation:
         if not self.scenario.recovery.restart:
             return
         for w in failed:
+            if w in self.hung:  # its process is still there, silent: killed after the grace
+                grace = self.scenario.recovery.hung_restart_grace_s
+                self.queue.push(now + grace, ev.RESTART, w, w.incarnation)
+                continue
             w.restart()
             coord.set_state(w, S.RESTARTING)
             self._start_reload(w, now)
+
+    def _restart_hung(self, w: SimWorker, incarnation: int, now: float) -> None:
+        if w.incarnation != incarnation or w not in self.hung:
+            return
+        self.hung.discard(w)
+        w.restart()
+        self.coord.set_state(w, S.RESTARTING)
+        self._start_reload(w, now)
 
     # -- reloads ------------------------------------------------------------------------------------
     def _start_reload(self, w: SimWorker, now: float) -> None:

@@ -11,6 +11,7 @@ import time
 import aiohttp
 import pytest
 
+from gateway.protocol.secrets import default_token_path, read_token_file, worker_http_bearer
 from loadtests.client import RequestResult
 from loadtests.faults import FaultRunner, FaultSchedule, resolve_group
 from tests.e2e.conftest import admin, assert_exact, make_requests, run_requests, wait_for
@@ -86,6 +87,13 @@ async def test_slow_fault_slows_the_token_rate_and_normal_restores_it(cluster_fa
                 assert err["type"] == "invalid_request_error" and err["param"] == "factor", err
         async with http.post(f"{c.url}/admin/workers/w9/kill?mode=slow&factor=2") as resp:
             assert resp.status == 404
-        async with http.post(f"{ws[0]['url']}/lumen/fault", json={"slowdown": -1}) as resp:
+        # the worker's own endpoint takes the cluster's bearer only (derived from the token the gateway
+        # generated and published, 0600, for its control port)
+        token = read_token_file(default_token_path(c.ready["control_port"]))
+        async with http.post(f"{ws[0]['url']}/lumen/fault", json={"slowdown": 2}) as resp:
+            assert resp.status == 401
+            assert (await resp.json())["error"]["type"] == "authentication_error"
+        bearer = {"Authorization": f"Bearer {worker_http_bearer(token)}"}
+        async with http.post(f"{ws[0]['url']}/lumen/fault", json={"slowdown": -1}, headers=bearer) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["type"] == "invalid_request_error"

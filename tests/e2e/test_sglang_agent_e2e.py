@@ -274,13 +274,15 @@ async def test_one_agent_attaches_to_two_gateways_and_takes_its_server_down_with
     stops the agent, its server goes with it, and both gateways fail the incarnation."""
     gateways = []
     agent = None
+    # gateways of one cluster share its secret (each would generate its own otherwise)
+    secret = {"LUMEN_CONTROL_TOKEN": "two-gateways-one-cluster-secret"}
     try:
         for name in ("a", "b"):
             argv = [
                 sys.executable, "-m", "gateway.cli", "gateway", "--port", str(free_port()), "--control-port",
                 "0", *E2E_SETTINGS,
             ]  # fmt: skip
-            gateways.append(await Proc.start(argv, tmp_path / f"gateway-{name}.stderr"))
+            gateways.append(await Proc.start(argv, tmp_path / f"gateway-{name}.stderr", secret))
         ready = [await g.event("ready", within=30) for g in gateways]
         server_url = f"http://127.0.0.1:{free_port()}"
         argv = [
@@ -288,7 +290,7 @@ async def test_one_agent_attaches_to_two_gateways_and_takes_its_server_down_with
             *(a for r in ready for a in ("--gateway", f"127.0.0.1:{r['control_port']}")),
             "--launch", "--", "--model-path", "standin", "--token-delay-ms", "5",
         ]  # fmt: skip
-        agent = await Proc.start(argv, tmp_path / "agent.stderr", {"LUMEN_SGLANG_LAUNCHER": SHIM})
+        agent = await Proc.start(argv, tmp_path / "agent.stderr", {"LUMEN_SGLANG_LAUNCHER": SHIM, **secret})
         server = await agent.event("server_started")
         async with aiohttp.ClientSession() as http:
             for r in ready:

@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from gateway.protocol.planes import plaintext_keyring  # noqa: E402
 from tests.fixtures.sglang_plugin_standins import check_run, close_run, decode_run  # noqa: E402
 from worker_hooks.sglang.plugin import MHA_LAYOUTS, MLA_LAYOUTS, KvReader  # noqa: E402
 
@@ -128,7 +129,7 @@ def test_the_hooks_cost_at_a_real_models_page_size() -> None:
     rows = torch.arange(slots, device="cuda", dtype=torch.int32).view(n_req, per_req)
     holder = HolderProcess(budget=8 << 30)
     reader = KvReader(mla=False, buffers=[k, v], layout="page_first", page_size=PS)
-    ckpt = Checkpointer(reader, rows, options=PluginOptions())
+    ckpt = Checkpointer(reader, rows, options=PluginOptions(), keyring=plaintext_keyring)
     rids = [f"r{i}" for i in range(n_req)]
     try:
         reqs = [

@@ -23,6 +23,7 @@ from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, Samp
 from gateway.protocol.launch import EngineSpec, encode_spec
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
 from models.synthetic import expected_output
+from tests.fixtures.planes import introduce
 from worker_hooks.engine.service import Worker, start_worker
 
 
@@ -202,7 +203,7 @@ async def test_heartbeats_stay_on_time_while_the_engine_is_busy(attached: tuple[
     assert (last.running, last.waiting) == (32, 28) and last.kv_tokens_used > 32 * 500
 
 
-async def test_stream_end_resets_the_incarnation_and_reattaches(attached: tuple[FakeGateway, Worker]) -> None:
+async def test_a_fence_resets_the_incarnation_and_reattaches(attached: tuple[FakeGateway, Worker]) -> None:
     gw, w = attached
     old = w.incarnation
     # a request the gateway sent under our epoch, and one a client sent us directly
@@ -217,7 +218,9 @@ async def test_stream_end_resets_the_incarnation_and_reattaches(attached: tuple[
     direct = w.engine.submit(
         GenerateRequest(rid="direct", input_ids=[1] * 8, sampling_params=SamplingParams(20))
     )
-    gw.sessions[0].outbox.put_nowait(None)  # the gateway ends the stream (e.g. declared us failed)
+    # the gateway declared us failed: it says so (Refuse) and ends the stream
+    gw.sessions[0].outbox.put_nowait(pb.GatewayMessage(incarnation=old, refuse=pb.Refuse(reason="fenced")))
+    gw.sessions[0].outbox.put_nowait(None)
     second = await gw.wait_sessions(2)
     assert second.hello.incarnation == w.incarnation > old
     while (e := await slow.next()).finish is None:
@@ -228,6 +231,24 @@ async def test_stream_end_resets_the_incarnation_and_reattaches(attached: tuple[
         pass
     assert d.finish.type == "length" and w.engine.pool.used_pages == 0
     await wait_until(lambda: len(second.heartbeats) >= 2)
+
+
+async def test_a_stream_that_just_ends_keeps_the_incarnation_and_its_requests(
+    attached: tuple[FakeGateway, Worker],
+) -> None:
+    """The gateway restarted (or died): its requests run on (another gateway may adopt them) and the
+    worker attaches again as the same incarnation."""
+    gw, w = attached
+    old = w.incarnation
+    inflight = w.engine.submit(
+        GenerateRequest(rid="inflight", input_ids=[1] * 8, sampling_params=SamplingParams(40), lumen=LumenExt(epoch=old))
+    )
+    gw.sessions[0].outbox.put_nowait(None)  # no Refuse: the stream just ends
+    second = await gw.wait_sessions(2)
+    assert second.hello.incarnation == w.incarnation == old
+    while (e := await inflight.next()).finish is None:
+        pass
+    assert e.finish.type == "length"
 
 
 async def test_refuse_is_logged_and_retried_with_a_new_incarnation() -> None:
@@ -341,6 +362,7 @@ async def test_heartbeats_report_the_checkpoint_plane(attached: tuple[FakeGatewa
     assert store is not None
     prompt = list(range(40, 80))
     async with start_worker(spec("", worker_id="w-peer")) as peer:
+        introduce(w, peer)  # the gateway's Members: their KV planes trust each other
         # peer serves a request whose holder is w: w's heartbeats report what it holds
         peer.engine.submit(checkpointed("p-1", prompt, w))
         await wait_until(lambda: latest_durable(session).get("p-1", 0) >= 64)
@@ -445,6 +467,7 @@ async def test_heartbeats_carry_the_targets_draft_stats() -> None:
     ):
         session = await gw.wait_sessions(1)
         await wait_until(lambda: d.engine.phase.value == "DRAFT_READY")
+        introduce(w, d)  # the gateway's Members: the drafter admits the target, which knows its key
         assert session.hello.draft_endpoint == ""  # a worker that is not restarting drafts for nobody
         start = pb.StartDraftAssist(peer_id="w-d", peer_endpoint=d.engine.assist.endpoint, role="target", k=3)
         session.outbox.put_nowait(pb.GatewayMessage(incarnation=w.incarnation, start_draft_assist=start))

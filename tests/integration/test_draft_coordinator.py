@@ -25,9 +25,12 @@ def hello(wid: str, inc: int, phase: int) -> pb.Hello:
 
 
 def drain(ctl: ControlService, wid: str) -> list[pb.GatewayMessage]:
+    """The commands queued for `wid`, less the Members updates every membership change sends."""
     out = []
     while not ctl.outboxes[wid].empty():
-        out.append(ctl.outboxes[wid].get_nowait())
+        msg = ctl.outboxes[wid].get_nowait()
+        if msg.WhichOneof("body") != "members":
+            out.append(msg)
     return out
 
 

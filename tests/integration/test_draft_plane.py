@@ -21,6 +21,7 @@ from draft_models.verify import Uniforms, VerifyMode, mode_for
 from gateway.core.costmodel import CostModel
 from gateway.protocol import draft
 from gateway.protocol.generate import SamplingParams
+from gateway.protocol.planes import PLAINTEXT
 from models.synthetic import Sampler, SyntheticModel, expected_output, finish_of, mix64
 
 TIMEOUT = 2.0  # generous: the loopback round trip is well under a millisecond
@@ -35,13 +36,13 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 @pytest.fixture
 async def server(ctx: zmq.asyncio.Context) -> AsyncIterator[DrafterServer]:
-    async with DrafterServer(SyntheticDrafter(0.7), ctx=ctx, time_scale=0.0) as s:
+    async with DrafterServer(SyntheticDrafter(0.7), auth=PLAINTEXT, ctx=ctx, time_scale=0.0) as s:
         yield s
 
 
 @pytest.fixture
 def client(ctx: zmq.asyncio.Context, server: DrafterServer) -> Iterator[DraftClient]:
-    c = DraftClient(server.endpoint, ctx=ctx, pair="Qwen3-32B->Qwen3-1.7B")
+    c = DraftClient(server.endpoint, auth=PLAINTEXT, ctx=ctx, pair="Qwen3-32B->Qwen3-1.7B")
     yield c
     c.close()
 
@@ -101,8 +102,8 @@ async def test_stale_rounds_are_dropped(client: DraftClient, server: DrafterServ
 async def test_a_slow_drafter_times_out_and_catches_up(ctx: zmq.asyncio.Context) -> None:
     # ~4 ms per modelled draft step x 25: one round of 4 drafts takes ~0.4 s of wall time
     cost = CostModel.preset("Qwen3-1.7B", "H100-80G")
-    async with DrafterServer(SyntheticDrafter(0.7), ctx=ctx, cost=cost, time_scale=25.0) as srv:
-        c = DraftClient(srv.endpoint, ctx=ctx)
+    async with DrafterServer(SyntheticDrafter(0.7), auth=PLAINTEXT, ctx=ctx, cost=cost, time_scale=25.0) as srv:
+        c = DraftClient(srv.endpoint, auth=PLAINTEXT, ctx=ctx)
         try:
             # wait for the connection without a round (IMMEDIATE: sends before it are refused)
             while True:
@@ -128,9 +129,9 @@ async def test_a_slow_drafter_times_out_and_catches_up(ctx: zmq.asyncio.Context)
 async def test_a_closed_drafter_makes_poll_return_none_within_the_timeout(
     ctx: zmq.asyncio.Context,
 ) -> None:
-    srv = DrafterServer(SyntheticDrafter(0.7), ctx=ctx, time_scale=0.0)
+    srv = DrafterServer(SyntheticDrafter(0.7), auth=PLAINTEXT, ctx=ctx, time_scale=0.0)
     await srv.start()
-    c = DraftClient(srv.endpoint, ctx=ctx)
+    c = DraftClient(srv.endpoint, auth=PLAINTEXT, ctx=ctx)
     try:
         await first_round(c, [c.sync_item("a", [1, 2], 2)])
         await srv.close()
@@ -145,13 +146,13 @@ async def test_a_closed_drafter_makes_poll_return_none_within_the_timeout(
 
 
 async def test_a_restarted_drafter_asks_for_a_resync(ctx: zmq.asyncio.Context) -> None:
-    first = DrafterServer(SyntheticDrafter(0.7), ctx=ctx, time_scale=0.0)
+    first = DrafterServer(SyntheticDrafter(0.7), auth=PLAINTEXT, ctx=ctx, time_scale=0.0)
     endpoint = await first.start()
-    c = DraftClient(endpoint, ctx=ctx)
+    c = DraftClient(endpoint, auth=PLAINTEXT, ctx=ctx)
     try:
         await first_round(c, [c.sync_item("a", [1, 2], 2)])
         await first.close()
-        second = DrafterServer(SyntheticDrafter(0.7), endpoint, ctx=ctx, time_scale=0.0)
+        second = DrafterServer(SyntheticDrafter(0.7), endpoint, auth=PLAINTEXT, ctx=ctx, time_scale=0.0)
         deadline = time.monotonic() + TIMEOUT
         while True:  # the closed socket frees its port asynchronously
             try:
@@ -176,8 +177,8 @@ async def test_a_restarted_drafter_asks_for_a_resync(ctx: zmq.asyncio.Context) -
 
 
 async def test_states_are_bounded_lru_and_released(ctx: zmq.asyncio.Context) -> None:
-    async with DrafterServer(SyntheticDrafter(0.7), ctx=ctx, time_scale=0.0, max_states=2) as srv:
-        c = DraftClient(srv.endpoint, ctx=ctx)
+    async with DrafterServer(SyntheticDrafter(0.7), auth=PLAINTEXT, ctx=ctx, time_scale=0.0, max_states=2) as srv:
+        c = DraftClient(srv.endpoint, auth=PLAINTEXT, ctx=ctx)
         try:
             await first_round(c, [c.sync_item(rid, [1, 2], 1) for rid in ("a", "b", "c")])
             assert srv.n_states == 2 and srv.stats.evicted == 1
@@ -220,7 +221,7 @@ async def test_the_client_drops_bad_and_stale_replies(ctx: zmq.asyncio.Context) 
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
-    c = DraftClient(router.getsockopt_string(zmq.LAST_ENDPOINT), ctx=ctx)
+    c = DraftClient(router.getsockopt_string(zmq.LAST_ENDPOINT), auth=PLAINTEXT, ctx=ctx)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not c.stats.rounds:  # IMMEDIATE: wait for the connection
@@ -329,8 +330,8 @@ class _SlowDrafter(SyntheticDrafter):
 async def test_a_drafter_with_a_thread_keeps_the_event_loop_free(ctx: zmq.asyncio.Context) -> None:
     """With a thread, a round's forwards never hold the loop (its worker's heartbeats run there)."""
     with ThreadPoolExecutor(1) as thread:
-        async with DrafterServer(_SlowDrafter(0.7), ctx=ctx, time_scale=0.0, thread=thread) as srv:
-            c = DraftClient(srv.endpoint, ctx=ctx)
+        async with DrafterServer(_SlowDrafter(0.7), auth=PLAINTEXT, ctx=ctx, time_scale=0.0, thread=thread) as srv:
+            c = DraftClient(srv.endpoint, auth=PLAINTEXT, ctx=ctx)
             try:
                 await connect(c)
                 lags: list[float] = []

@@ -24,6 +24,7 @@ from gateway.protocol.generate import (
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.pagekeys import page_keys
 from models.synthetic import expected_output
+from tests.fixtures.planes import introduce
 from worker_hooks.agent import Agent
 from worker_hooks.engine.checkpointing import PageBytes
 from worker_hooks.engine.handle import RequestHandle
@@ -52,7 +53,9 @@ def spec(wid: str, **kw: Any) -> EngineSpec:
 @contextlib.asynccontextmanager
 async def cluster(*specs: EngineSpec) -> AsyncIterator[list[Worker]]:
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(start_worker(s)) for s in specs]
+        workers = [await stack.enter_async_context(start_worker(s)) for s in specs]
+        introduce(*workers)  # what the gateway's Members does: their KV planes trust each other
+        yield workers
 
 
 def ref(w: Worker) -> HolderRef:
@@ -310,6 +313,7 @@ async def test_incarnation_reset_keeps_held_pages_and_streams_as_the_new_incarna
         new = a.engine.reset_incarnation()
         assert a.engine.ckpt.sender is not old_sender and a.engine.ckpt.sender is not None
         assert a.engine.ckpt.sender.incarnation == new
+        introduce(a, b)  # the gateway's Members after a re-attached: b takes pages of a's new incarnation
         held = store(a).durable_tokens("held-on-a")
         assert held >= 48  # a's store keeps other workers' pages across its own reset
         h = a.engine.submit(req("new", prompt_of(40, 9), SamplingParams(max_new_tokens=30), b))

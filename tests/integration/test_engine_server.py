@@ -157,7 +157,7 @@ async def test_bad_requests_get_400_in_openai_shape(
 ) -> None:
     status, err = await post_error(client, worker.url, data)
     assert status == 400
-    assert set(err["error"]) == {"message", "type", "code"}
+    assert set(err["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
     assert err["error"]["type"] == "invalid_request_error" and fragment in err["error"]["message"]
     assert worker.engine.stats().requests_total == 0
 

@@ -44,6 +44,7 @@ async def cluster(
             spec = EngineSpec(
                 worker_id=f"w{i}",
                 control_address=f"127.0.0.1:{gw.control_port}",
+                control_token=gw.config.gateway.control_token,
                 model="Qwen3-0.6B",
                 time_scale=0.2,
                 heartbeat_interval_ms=50,

@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from gateway.protocol import kv
 from gateway.protocol.pagekeys import page_keys
+from gateway.protocol.planes import PLAINTEXT
 from gateway.protocol.versions import KV_PROTOCOL_VERSION
 from worker_hooks.kv.payload import page_bytes, pages_payload, verify
 from worker_hooks.kv.receiver import StoreServer
@@ -82,8 +83,8 @@ async def test_many_requests_sharing_prefixes_stream_dedupe_and_end_frees(
     ctx: zmq.asyncio.Context, bind_to: str
 ) -> None:
     store = CheckpointStore(1 << 30)
-    async with StoreServer(store, bind_to, ctx=ctx) as server:
-        sender = CheckpointSender("w0", 1, ctx=ctx, frame_bytes=64 << 10)
+    async with StoreServer(store, bind_to, auth=PLAINTEXT, ctx=ctx) as server:
+        sender = CheckpointSender("w0", 1, auth=PLAINTEXT, ctx=ctx, frame_bytes=64 << 10)
         system = list(range(3 * PS))  # 3 shared pages
         reqs = {f"r{i}": system + list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * PS)) for i in range(20)}
         payloads = {rid: pages_payload(ids, PS, PB) for rid, ids in reqs.items()}
@@ -113,8 +114,8 @@ async def test_many_requests_sharing_prefixes_stream_dedupe_and_end_frees(
 
 async def test_drop_frees_and_grouping_makes_large_frames(ctx: zmq.asyncio.Context, bind_to: str) -> None:
     store = CheckpointStore(1 << 30)
-    async with StoreServer(store, bind_to, ctx=ctx) as server:
-        sender = CheckpointSender("w0", 1, ctx=ctx, frame_bytes=16 * PB, linger_s=0.05)
+    async with StoreServer(store, bind_to, auth=PLAINTEXT, ctx=ctx) as server:
+        sender = CheckpointSender("w0", 1, auth=PLAINTEXT, ctx=ctx, frame_bytes=16 * PB, linger_s=0.05)
         ids = list(range(32 * PS))
         _, payload = pages_payload(ids, PS, PB)
         for p in range(32):  # 32 single-page calls in one burst -> 2 frames of 16 pages
@@ -133,8 +134,8 @@ async def test_grouped_frames_reuse_staging_buffers_without_corrupting_pages(
     ctx: zmq.asyncio.Context, bind_to: str
 ) -> None:
     store = CheckpointStore(1 << 30)
-    async with StoreServer(store, bind_to, ctx=ctx) as server:
-        sender = CheckpointSender("w0", 1, ctx=ctx, frame_bytes=4 * PB, sndhwm=2)
+    async with StoreServer(store, bind_to, auth=PLAINTEXT, ctx=ctx) as server:
+        sender = CheckpointSender("w0", 1, auth=PLAINTEXT, ctx=ctx, frame_bytes=4 * PB, sndhwm=2)
         reqs = {f"r{i}": list(range(10_000 * i, 10_000 * i + 40 * PS)) for i in range(6)}
         for p in range(40):  # interleaved single pages: many grouped frames through few buffers
             for rid, ids in reqs.items():
@@ -161,7 +162,7 @@ async def test_a_lagging_holder_gets_the_request_abandoned_without_blocking_the_
     lagging.setsockopt(zmq.RCVBUF, 64 << 10)
     lagging.bind("tcp://127.0.0.1:0")
     endpoint = lagging.getsockopt_string(zmq.LAST_ENDPOINT)
-    sender = CheckpointSender("w0", 1, ctx=ctx, max_lag_bytes=1 << 20, sndhwm=1, frame_bytes=64 << 10)
+    sender = CheckpointSender("w0", 1, auth=PLAINTEXT, ctx=ctx, max_lag_bytes=1 << 20, sndhwm=1, frame_bytes=64 << 10)
     page = page_bytes("ab" * 32, 64 << 10)
     worst = 0.0
     for step in range(400):  # 400 x 64 KiB = 25 MiB toward a holder that reads nothing
@@ -184,7 +185,7 @@ async def test_bad_messages_are_refused_and_logged_and_the_loop_keeps_working(
     ctx: zmq.asyncio.Context, bind_to: str
 ) -> None:
     store = CheckpointStore(1 << 20)
-    async with StoreServer(store, bind_to, ctx=ctx) as server:
+    async with StoreServer(store, bind_to, auth=PLAINTEXT, ctx=ctx) as server:
         raw = ctx.socket(zmq.PUSH)
         raw.connect(server.endpoint)
         ids = list(range(PS))
@@ -212,9 +213,9 @@ async def test_bad_messages_are_refused_and_logged_and_the_loop_keeps_working(
 
 async def test_a_restarted_worker_fences_its_old_incarnation(ctx: zmq.asyncio.Context) -> None:
     store = CheckpointStore(1 << 20)
-    async with StoreServer(store, ctx=ctx) as server:
-        old = CheckpointSender("w0", 1, ctx=ctx)
-        new = CheckpointSender("w0", 2, ctx=ctx)
+    async with StoreServer(store, auth=PLAINTEXT, ctx=ctx) as server:
+        old = CheckpointSender("w0", 1, auth=PLAINTEXT, ctx=ctx)
+        new = CheckpointSender("w0", 2, auth=PLAINTEXT, ctx=ctx)
         ids = list(range(3 * PS))
         keys, payload = pages_payload(ids, PS, PB)
         new.send_pages("r", [server.endpoint], 0, ids[:PS], payload[:PB], page_size=PS)
@@ -233,8 +234,8 @@ async def test_a_restarted_worker_fences_its_old_incarnation(ctx: zmq.asyncio.Co
 
 async def test_numpy_token_ids_and_payloads_go_through_unchanged(ctx: zmq.asyncio.Context) -> None:
     store = CheckpointStore(1 << 20)
-    async with StoreServer(store, ctx=ctx) as server:
-        sender = CheckpointSender("w0", 1, ctx=ctx)
+    async with StoreServer(store, auth=PLAINTEXT, ctx=ctx) as server:
+        sender = CheckpointSender("w0", 1, auth=PLAINTEXT, ctx=ctx)
         ids = np.arange(5, 5 + 2 * PS, dtype=np.int64)
         kv_pages = np.linspace(-1, 1, 2 * 64, dtype=np.float16).reshape(2, 64)  # 2 pages of 128 B
         sender.send_pages(

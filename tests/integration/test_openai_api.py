@@ -120,6 +120,9 @@ def sse_events(raw: str) -> list[Any]:
     assert raw.endswith("\n\n")
     out = []
     for block in raw.split("\n\n")[:-1]:
+        if block.startswith("id: "):  # a stream position (resumable streams)
+            event_id, _, block = block.partition("\n")
+            assert "\n" not in event_id and len(event_id) > 10
         assert block.startswith("data: ")
         payload = block[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
@@ -321,7 +324,9 @@ async def test_n_choices_stream(make: Factory) -> None:
         assert [e["logprob"] for e in content] == [-p / 8 for p in range(5)]
         assert all(e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 1 for e in content)
     assert events[-2]["usage"]["completion_tokens"] == 10
-    assert all(j.seed is None for j in (g.sampling for g in gen.jobs))  # each session draws its own
+    # a stream draws each choice's own seed at the API (so a resumed stream samples the same tokens)
+    seeds = [g.sampling.seed for g in gen.jobs]
+    assert all(seed is not None for seed in seeds) and len(set(seeds)) == 2
 
 
 @pytest.mark.parametrize("per", [1, 2, 3])
@@ -608,7 +613,7 @@ async def test_client_disconnect_closes_generator(make: Factory) -> None:
     resp = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 100, "stream": True})
     assert resp.status == 200
     first = await resp.content.readuntil(b"\n\n")
-    assert first.startswith(b"data: ")
+    assert first.startswith(b"id: ") and b"\ndata: " in first
     resp.close()  # the client goes away mid-stream
     for _ in range(200):
         if gen.closed:

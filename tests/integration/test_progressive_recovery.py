@@ -21,7 +21,9 @@ from gateway.core.health import Phase
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams, decode_chunk
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.planes import Member, PlaneAuth
 from models.synthetic import expected_output
+from tests.fixtures.planes import introduce, member
 from worker_hooks.agent import Agent
 from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.handle import RequestHandle
@@ -124,8 +126,11 @@ async def test_restart_drafts_then_serves_with_no_second_stall() -> None:
             async with http.post(w.url + "/generate", json=refused) as resp:
                 assert resp.status == 503 and (await resp.json())["error"]["code"] == "not_serving"
 
-            # while the draft model loads, the drafter answers rounds with no drafts
-            client = DraftClient(endpoint)
+            # while the draft model loads, the drafter answers rounds with no drafts; the test is a
+            # target the gateway made a member (its Members), with the drafter's key
+            probe = PlaneAuth.generate()
+            w.engine.planes.members.replace([member(w), Member("probe", 1, probe.keys.public)])
+            client = DraftClient(endpoint, auth=probe, server_key=w.engine.planes.keys.public)
             drafted = False
             try:
                 for r in range(1, 200):
@@ -213,6 +218,7 @@ async def run(w: Worker, reqs: list[GenerateRequest]) -> list[list[int]]:
 
 def pair(target: Worker, drafter: Worker, k: int = 4) -> None:
     """What the gateway's coordinator sends, applied through the agents' command handler."""
+    introduce(target, drafter)  # and its Members before: the two trust each other's keys
     for w, peer, role in ((target, drafter, "target"), (drafter, target, "drafter")):
         Agent(w.spec, w.engine, w.url).handle(
             pb.GatewayMessage(

@@ -32,7 +32,9 @@ from worker_hooks.sglang.launcher import server_command
 
 SHIM = [sys.executable, "-m", "tests.e2e.sglang_launch_shim"]
 POLL_S = 0.02
-FAST = {"poll_interval_s": POLL_S, "poll_misses": 5}
+# one cluster secret for every gateway of a test (an agent attaches to all of them with it)
+TOKEN = "test-control-token-0123456789"
+FAST = {"poll_interval_s": POLL_S, "poll_misses": 5, "token": TOKEN}
 
 
 @contextlib.asynccontextmanager
@@ -41,6 +43,7 @@ async def gateway(**overrides: Any) -> AsyncIterator[Gateway]:
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "gateway.control_token": TOKEN,
             "recovery.mode": "stop_restart",
             "health.heartbeat_interval_ms": 50,
             "health.heartbeat_misses": 6,

@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.draft import DraftReply, DraftTokens, decode_request, encode_reply
+from gateway.protocol.planes import PlaneAuth, curve_server
 from gateway.server.app import Gateway
 from tests.fixtures.sglang_standin import expected_ids
 from tests.fixtures.sglang_standin_model import greedy_ids
@@ -24,11 +25,14 @@ WRONG_EVERY = 3
 
 
 @contextlib.asynccontextmanager
-async def fake_drafter() -> AsyncIterator[tuple[str, dict[str, int]]]:
+async def fake_drafter() -> AsyncIterator[tuple[str, dict[str, int], str]]:
     """A drafter at the draft-plane seam: proposes the stand-in's greedy continuation, every
-    WRONG_EVERY-th token off by one. Yields its endpoint and its counters."""
+    WRONG_EVERY-th token off by one; a CURVE server (no ZAP handler: any client key is taken). Yields
+    its endpoint, its counters and its plane key."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
+    auth = PlaneAuth.generate()
+    curve_server(sock, auth, "lumen.draft")
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     contexts: dict[tuple[bytes, str], list[int]] = {}
     stats = {"rounds": 0, "proposed": 0}
@@ -53,7 +57,7 @@ async def fake_drafter() -> AsyncIterator[tuple[str, dict[str, int]]]:
 
     task = asyncio.create_task(serve())
     try:
-        yield f"tcp://127.0.0.1:{port}", stats
+        yield f"tcp://127.0.0.1:{port}", stats, auth.keys.public
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -62,7 +66,7 @@ async def fake_drafter() -> AsyncIterator[tuple[str, dict[str, int]]]:
         ctx.term()
 
 
-async def restarting_drafter(gw: Gateway, endpoint: str) -> asyncio.Task[None]:
+async def restarting_drafter(gw: Gateway, endpoint: str, key: str) -> asyncio.Task[None]:
     """A restarting worker that has only its draft model: incarnation 1 served and failed, incarnation
     2 reports DRAFT_READY (heartbeating so the monitor keeps it alive)."""
     gw.monitor.attach(pb.Hello(worker_id="d0", incarnation=1, phase=pb.SERVING, http_url="http://unused"))
@@ -74,8 +78,10 @@ async def restarting_drafter(gw: Gateway, endpoint: str) -> asyncio.Task[None]:
             phase=pb.DRAFT_READY,
             draft_endpoint=endpoint,
             http_url="http://unused",
+            plane_key=key,
         )
     )
+    rec.plane_key = key  # what the control plane records from the Hello
 
     async def beat() -> None:
         while True:
@@ -86,8 +92,8 @@ async def restarting_drafter(gw: Gateway, endpoint: str) -> asyncio.Task[None]:
 
 
 async def test_gateway_verified_drafts_are_accepted_and_output_is_exact() -> None:
-    async with sglang_cluster(n=1) as (gw, servers, http), fake_drafter() as (endpoint, stats):
-        beat = await restarting_drafter(gw, endpoint)
+    async with sglang_cluster(n=1) as (gw, servers, http), fake_drafter() as (endpoint, stats, key):
+        beat = await restarting_drafter(gw, endpoint, key)
         try:
             # load on the target (plain streams) so that Algorithm 3 pairs the drafter with it
             load = [

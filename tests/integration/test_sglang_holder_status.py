@@ -17,6 +17,7 @@ import zmq
 
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol import holder_status as hs
+from gateway.protocol.planes import Member, MemberTable, PlaneAuth
 from tests.integration.test_sglang_agent import gateway, heartbeat, sidecar, standin
 from worker_hooks.kv.payload import page_bytes
 from worker_hooks.sglang.agent import SGLangRole, SidecarConfig
@@ -36,17 +37,24 @@ PAGE_BYTES = 256
 
 @pytest.fixture
 def pair() -> Iterator[tuple[PageStore, PageStore, RequestRoutes]]:
-    """A holder (with its status socket) and a writer routing to it."""
+    """A holder (with its status socket) and a writer routing to it, members of one table (what their
+    agents' plane files list)."""
+    table = MemberTable()
+    holder_auth, writer_auth = PlaneAuth.generate(table), PlaneAuth.generate(table)
     holder = PageStore(
         PageStoreConfig(
             worker_id="h",
             holder_bind="tcp://127.0.0.1:0",
             status_bind="tcp://127.0.0.1:0",
             budget_bytes=1 << 24,
-        )
+        ),
+        auth=holder_auth,
     )
     routes = RequestRoutes(PS)
-    writer = PageStore(PageStoreConfig(worker_id="w"), routes)
+    writer = PageStore(PageStoreConfig(worker_id="w"), routes, auth=writer_auth)
+    table.replace(
+        [Member("h", 0, holder_auth.keys.public, holder.endpoint), Member("w", 0, writer_auth.keys.public)]
+    )
     try:
         yield holder, writer, routes
     finally:
@@ -237,11 +245,15 @@ async def test_the_agents_heartbeats_carry_the_holders_durable_tokens(
 
 def test_a_page_store_whose_status_endpoint_is_taken_still_holds() -> None:
     first = PageStore(
-        PageStoreConfig(worker_id="a", holder_bind="tcp://127.0.0.1:0", status_bind="tcp://127.0.0.1:0")
+        PageStoreConfig(worker_id="a", holder_bind="tcp://127.0.0.1:0", status_bind="tcp://127.0.0.1:0"),
+        auth=PlaneAuth.generate(),
     )
     try:
         taken = first.status_endpoint
-        second = PageStore(PageStoreConfig(worker_id="b", holder_bind="tcp://127.0.0.1:0", status_bind=taken))
+        second = PageStore(
+            PageStoreConfig(worker_id="b", holder_bind="tcp://127.0.0.1:0", status_bind=taken),
+            auth=PlaneAuth.generate(),
+        )
         try:
             assert second.status_endpoint == "" and second.endpoint.startswith("tcp://")
         finally:

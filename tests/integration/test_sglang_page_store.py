@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from gateway.protocol.pagekeys import namespace_seed, page_keys
+from gateway.protocol.planes import Member, MemberTable, PlaneAuth
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, greedy_ids, start_standin
 from worker_hooks.kv.payload import page_bytes, verify
 from worker_hooks.sglang.page_routes import PageRoute, RequestRoutes
@@ -50,17 +51,22 @@ def tokens(n: int, start: int = 0) -> list[int]:
 
 @pytest.fixture
 def stores() -> Iterator[Callable[..., PageStore]]:
-    """Page stores closed at teardown, whatever the test did."""
+    """Page stores closed at teardown, whatever the test did. Each has its own CURVE keys; all are
+    members of one table (what the agents' plane files hold), so they trust each other."""
     made: list[PageStore] = []
+    members: list[Member] = []
+    table = MemberTable()
 
     def make(routes: Any = None, **cfg: Any) -> PageStore:
         cfg.setdefault("worker_id", f"w{len(made)}")
+        auth = PlaneAuth.generate(table)
+        config = PageStoreConfig(**cfg)
         store = (
-            PageStore(PageStoreConfig(**cfg), routes)
-            if routes is not None
-            else PageStore(PageStoreConfig(**cfg))
+            PageStore(config, routes, auth=auth) if routes is not None else PageStore(config, auth=auth)
         )
         made.append(store)
+        members.append(Member(config.worker_id, config.incarnation, auth.keys.public, store.endpoint))
+        table.replace(members)
         return store
 
     yield make

@@ -23,6 +23,7 @@ import aiohttp
 from gateway.config import load_config
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.pagekeys import page_keys
+from gateway.protocol.planes import Member, MemberTable, PlaneAuth
 from gateway.protocol.sglang import parse_kv_hints, sglang_rid
 from gateway.server.app import Gateway
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_standin
@@ -88,10 +89,14 @@ async def two_servers_with_holders(
     stores: list[PageStore] = []
     beats: list[asyncio.Task[None]] = []
     agents: list[Sidecar] = []
+    # the KV plane's members, as the agents' plane files would list them (the gateway's Members)
+    table = MemberTable()
+    members: list[Member] = []
     try:
         for wid in ("sgA", "sgB"):
             server = await start_standin(token_delay_ms=15, page_size=PS)
             routes = RequestRoutes(PS)
+            auth = PlaneAuth.generate(table)
             store = PageStore(
                 PageStoreConfig(
                     worker_id=wid,
@@ -100,7 +105,10 @@ async def two_servers_with_holders(
                     budget_bytes=BUDGET,
                 ),
                 routes,
+                auth=auth,
             )
+            members.append(Member(wid, 1, auth.keys.public, store.endpoint))
+            table.replace(members)
             stores.append(store)
             tiers[wid] = server.engine.storage = PluginTier(server, store, routes)  # type: ignore[assignment]
             servers[wid] = server

@@ -19,6 +19,7 @@ from gateway.core.health import Phase
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import GenerateRequest, HolderRef, LumenExt, SamplingParams
 from gateway.protocol.launch import EngineSpec
+from tests.fixtures.planes import introduce
 from worker_hooks.agent import Agent
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.service import Worker, start_worker
@@ -87,7 +88,9 @@ async def drain(handle: RequestHandle) -> tuple[list[int], list[int]]:
 @contextlib.asynccontextmanager
 async def workers(*specs: EngineSpec) -> AsyncIterator[list[Worker]]:
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(start_worker(s)) for s in specs]
+        started = [await stack.enter_async_context(start_worker(s)) for s in specs]
+        introduce(*started)  # what the gateway's Members does: their data planes trust each other
+        yield started
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -133,6 +136,7 @@ async def test_interrupted_request_restores_from_real_kv_pages_on_its_holder(par
 
 
 def pair(target: Worker, drafter: Worker, k: int = 4) -> None:
+    introduce(target, drafter)
     for w, peer, role in ((target, drafter, "target"), (drafter, target, "drafter")):
         Agent(w.spec, w.engine, w.url).handle(
             pb.GatewayMessage(

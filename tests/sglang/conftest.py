@@ -8,6 +8,32 @@ default run never imports it.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
+
+import pytest
 
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(autouse=True)
+def plane_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the sidecar agents' plane files and the gateway's Members give the servers built here: each
+    page store its own CURVE keys (as each server's agent generates), all of them members of one table
+    (as every plane file lists every member), so their KV planes trust each other and nobody else."""
+    from gateway.protocol.planes import Member, MemberTable, PlaneAuth
+    from worker_hooks.sglang import hicache_backend
+    from worker_hooks.sglang.page_routes import RouteLookup
+    from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+
+    table = MemberTable()
+    members: list[Member] = []
+
+    def page_store(config: PageStoreConfig, routes: RouteLookup, **kw: Any) -> PageStore:
+        auth = PlaneAuth.generate(table)
+        store = PageStore(config, routes, auth=auth, **kw)
+        members.append(Member(config.worker_id, config.incarnation, auth.keys.public, store.endpoint))
+        table.replace(members)
+        return store
+
+    monkeypatch.setattr(hicache_backend, "PageStore", page_store)

@@ -64,10 +64,39 @@ def test_draft_pairs_are_validated(tmp_path: Path) -> None:
 
 def test_env_supplies_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LUMEN_API_KEYS", "key-aaaaaaaa, key-bbbbbbbb")
-    monkeypatch.setenv("LUMEN_CONTROL_TOKEN", "s3cret")
+    monkeypatch.setenv("LUMEN_CONTROL_TOKEN", "s3cret-s3cret-s3cret")
+    monkeypatch.setenv("LUMEN_CONTROL_TOKEN_FILE", "/run/lumen/token")
     cfg = load_config()
     assert cfg.gateway.api_keys == ("key-aaaaaaaa", "key-bbbbbbbb")
-    assert cfg.gateway.control_token == "s3cret"
+    assert cfg.gateway.control_token == "s3cret-s3cret-s3cret"
+    assert cfg.gateway.control_token_file == "/run/lumen/token"
+
+
+def test_a_short_control_token_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LUMEN_CONTROL_TOKEN", "s3cret")
+    with pytest.raises(ConfigError, match=r"gateway.control_token.*16 characters"):
+        load_config()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gateway.internal"])
+def test_a_control_plane_beyond_loopback_needs_tls_or_an_explicit_insecure(host: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"gateway.control_host.*TLS"):
+        load_config(overrides={"gateway.control_host": host})
+    assert load_config(overrides={"gateway.control_host": host, "gateway.control_insecure": True})
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    tls = {"gateway.control_tls_cert": str(cert), "gateway.control_tls_key": str(key)}
+    assert load_config(overrides={"gateway.control_host": host, **tls})
+    with pytest.raises(ConfigError, match=r"gateway.control_tls_key"):
+        load_config(overrides={"gateway.control_host": host, "gateway.control_tls_cert": str(cert)})
+    with pytest.raises(ConfigError, match=r"gateway.control_tls_cert.*not found"):
+        load_config(overrides={**tls, "gateway.control_tls_cert": str(tmp_path / "missing.pem")})
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.3.2.1"])
+def test_a_loopback_control_plane_needs_no_tls(host: str) -> None:
+    assert load_config(overrides={"gateway.control_host": host}).gateway.control_host == host
 
 
 def test_incompatible_draft_pair_is_refused_with_the_reason(tmp_path: Path) -> None:
@@ -130,3 +159,13 @@ def test_cluster_commands_read_the_admin_keys_the_gateway_reads() -> None:
     assert admin_key({"LUMEN_ADMIN_API_KEYS": " first-key-1234 , second-key-5678"}) == "first-key-1234"
     assert admin_key({"LUMEN_ADMIN_API_KEY": "legacy-key-1234"}) == "legacy-key-1234"
     assert admin_key({}) is None
+
+
+def test_the_shipped_default_toml_says_what_the_sections_default_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed package has no configs/ folder and falls back to the sections' defaults: both
+    must be the same configuration."""
+    from gateway.config import loader
+
+    shipped = load_config()
+    monkeypatch.setattr(loader, "DEFAULT_CONFIG_PATH", loader.DEFAULT_CONFIG_PATH.with_name("absent.toml"))
+    assert load_config() == shipped

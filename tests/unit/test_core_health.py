@@ -1,4 +1,4 @@
-"""Worker state machine and failure detection by silence."""
+"""Worker state machine (failure detection by silence: test_core_detector.py)."""
 
 import itertools
 
@@ -7,12 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.core.health import (
-    ALIVE_STATES,
-    TRANSITIONS,
+        TRANSITIONS,
     IllegalTransition,
     Phase,
     WorkerState,
-    missed_heartbeat_state,
     state_for_phase,
     transition,
 )
@@ -63,25 +61,6 @@ def test_phase_never_produces_an_illegal_transition(current: WorkerState, phase:
     assert dst is current or dst in TRANSITIONS[current]
 
 
-@given(st.sampled_from(list(S)), st.floats(0, 10), st.floats(0.001, 1), st.integers(1, 10))
-def test_silence_never_produces_an_illegal_transition(current, since, interval, misses) -> None:
-    dst = missed_heartbeat_state(current, since, interval, misses)
-    assert dst is current or dst in TRANSITIONS[current]
-
-
-def test_silence_thresholds_at_default_settings() -> None:
-    interval, misses = 0.020, 3
-    assert missed_heartbeat_state(S.HEALTHY, 0.019, interval, misses) is S.HEALTHY
-    assert missed_heartbeat_state(S.HEALTHY, 0.031, interval, misses) is S.SUSPECT
-    assert missed_heartbeat_state(S.SUSPECT, 0.059, interval, misses) is S.SUSPECT
-    assert missed_heartbeat_state(S.SUSPECT, 0.061, interval, misses) is S.FAILED
-    # a loading worker is FAILED by silence too, but never SUSPECT (it serves nothing)
-    assert missed_heartbeat_state(S.RESTARTING, 0.031, interval, misses) is S.RESTARTING
-    assert missed_heartbeat_state(S.RESTARTING, 0.061, interval, misses) is S.FAILED
-    for dead in set(S) - ALIVE_STATES:
-        assert missed_heartbeat_state(dead, 100.0, interval, misses) is dead
-
-
 def test_restart_phases() -> None:
     assert state_for_phase(S.RESTARTING, Phase.LOADING_FULL) is S.RESTARTING
     assert state_for_phase(S.RESTARTING, Phase.DRAFT_READY) is S.DRAFT_READY
@@ -89,39 +68,3 @@ def test_restart_phases() -> None:
     assert state_for_phase(S.JOINING, Phase.LOADING_FULL) is S.JOINING
     assert state_for_phase(S.JOINING, Phase.SERVING) is S.HEALTHY
     assert state_for_phase(S.FAILED, Phase.SERVING) is S.FAILED
-
-
-def test_correlated_silence_is_blamed_on_the_gateway_first() -> None:
-    from gateway.core.health import silence_verdicts
-
-    i, m, grace = 0.02, 3, 1.0
-    # one worker silent: failed as usual
-    v = silence_verdicts({"a": (S.HEALTHY, 0.2), "b": (S.HEALTHY, 0.01), "c": (S.HEALTHY, 0.01)}, i, m, grace)
-    assert v == {"a": S.FAILED, "b": S.HEALTHY, "c": S.HEALTHY}
-    # all silent for 200 ms at once: suspect, not failed
-    v = silence_verdicts({w: (S.HEALTHY, 0.2) for w in "abc"}, i, m, grace)
-    assert set(v.values()) == {S.SUSPECT}
-    # still silent after the grace: failed
-    v = silence_verdicts({w: (S.SUSPECT, 1.5) for w in "abc"}, i, m, grace)
-    assert set(v.values()) == {S.FAILED}
-    # two of four is not a majority: both fail at once
-    v = silence_verdicts(
-        {"a": (S.HEALTHY, 0.2), "b": (S.HEALTHY, 0.2), "c": (S.HEALTHY, 0), "d": (S.HEALTHY, 0)}, i, m, grace
-    )
-    assert v["a"] is S.FAILED and v["b"] is S.FAILED
-
-
-@given(
-    st.dictionaries(
-        st.text("abcd", min_size=1, max_size=2), st.tuples(st.sampled_from(list(S)), st.floats(0, 5))
-    ),
-    st.floats(0.001, 0.5),
-    st.integers(1, 5),
-    st.floats(0.01, 3),
-)
-def test_silence_verdicts_are_legal_transitions(silences, interval, misses, grace) -> None:
-    from gateway.core.health import silence_verdicts
-
-    for wid, dst in silence_verdicts(silences, interval, misses, grace).items():
-        src = silences[wid][0]
-        assert dst is src or dst in TRANSITIONS[src]

@@ -40,6 +40,9 @@ def NUMBER(v: object) -> bool:
 
 
 def INT(v: object) -> bool:
+    """An integer as JSON Schema has it: an int, or a float with no fractional part (5.0)."""
+    if isinstance(v, float):
+        return v.is_integer()
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -25,6 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.protocol.pagekeys import namespace_seed, page_keys
+from gateway.protocol.planes import plaintext_keyring
 from gateway.protocol.sglang import (
     LUMEN_CHECKPOINT_ACTION,
     LumenCheckpoint,
@@ -516,7 +517,7 @@ def shipping() -> Iterator[Callable[..., tuple[Driver, Shipper, Staging]]]:
         options = PluginOptions(**opts)
         staging = Staging(options.staging_bytes)
         p = Planner(page_size=PS, page_bytes=NB, options=options, staging=staging)
-        shipper = Shipper(options, staging)
+        shipper = Shipper(options, staging, keyring=plaintext_keyring)
         made.append(shipper)
         return Driver(p, shipper), shipper, staging
 
@@ -646,7 +647,7 @@ def test_closing_releases_what_was_never_shipped(
 
 
 def test_shipper_start_and_stop_leave_no_thread_behind() -> None:
-    s = Shipper(PluginOptions(), Staging(1 << 20))
+    s = Shipper(PluginOptions(), Staging(1 << 20), keyring=plaintext_keyring)
     thread = s._thread
     assert thread.is_alive() and thread.daemon
     s.close()

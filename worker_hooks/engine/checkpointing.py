@@ -14,6 +14,10 @@ bytes. Only full pages whose KV exists are sent:
 the last emitted token's KV is computed by the next step, so when a request finishes its holders
 hold floor((prompt + output − 1) / page_size) pages. Aborts keep the pages (the gateway may resume
 from them); only an explicit drop discards them.
+
+Both sides run under the worker's `PlaneAuth` (gateway/protocol/planes.py): the store admits only the
+gateway's current members, each under its own identity, and the senders reach holders by the server
+key the member table gives for their endpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import zmq.asyncio
 from gateway.core.costmodel import ModelSpec
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.pagekeys import page_keys
+from gateway.protocol.planes import Security
 from worker_hooks.engine.scheduler import Seq
 from worker_hooks.kv.payload import model_page_nbytes
 from worker_hooks.kv.receiver import StoreServer
@@ -109,9 +114,16 @@ class _Stream:
 
 class Checkpointer:
     def __init__(
-        self, spec: EngineSpec, worker_id: str, model: ModelSpec, *, pages: PageSource | None = None
+        self,
+        spec: EngineSpec,
+        worker_id: str,
+        model: ModelSpec,
+        *,
+        auth: Security,
+        pages: PageSource | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.auth = auth
         self.page_size = spec.page_size
         self._source = pages
         if pages is not None:
@@ -151,7 +163,7 @@ class Checkpointer:
         self._ctx = zmq.asyncio.Context()
         self.sender = self._new_sender(incarnation)
         if self.store is not None:
-            self.server = StoreServer(self.store, STORE_BIND, ctx=self._ctx)
+            self.server = StoreServer(self.store, STORE_BIND, auth=self.auth, ctx=self._ctx)
             self.endpoint = await self.server.start()
             period = min(self.store.orphan_ttl_s / 4, EXPIRE_PERIOD_MAX_S)
             self._expire_task = asyncio.create_task(
@@ -162,6 +174,7 @@ class Checkpointer:
         return CheckpointSender(
             self.worker_id,
             incarnation,
+            auth=self.auth,
             ctx=self._ctx,
             frame_bytes=self._frame_bytes,
             max_lag_bytes=self._max_lag_bytes,
@@ -336,6 +349,19 @@ class Checkpointer:
         if not full:
             return deltas
         return {rid: store.durable_tokens(rid) for rid in store.rids()}
+
+    def plane_refusals(self) -> dict[str, int]:
+        """What the store's KV plane refused so far, by reason (gateway/protocol/planes.py)."""
+        srv = self.server
+        if srv is None:
+            return {}
+        st = srv.stats
+        return {
+            "handshake": srv.handshakes_failed,
+            "unauthenticated": st.unauthenticated,
+            "impersonated": st.impersonated,
+            "stale_epoch": st.stale_epoch,
+        }
 
     def abandoned(self) -> list[str]:
         """Requests whose checkpoint the sender gave up on since the last call (a holder lagged)."""

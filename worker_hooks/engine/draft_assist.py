@@ -16,6 +16,7 @@ import structlog
 from gateway.core.costmodel import CostModel
 from gateway.core.draftpairs import check_pair
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.planes import PlaneAuth, Security
 from worker_hooks.engine.checkpointing import valid_endpoint
 from worker_hooks.engine.drafting import DrafterRole
 from worker_hooks.engine.speculative import AssistTotals, Speculator
@@ -24,13 +25,16 @@ log = structlog.get_logger(__name__)
 
 
 class Assist:
-    def __init__(self, spec: EngineSpec, worker_id: str, cost: CostModel, *, drafter: bool) -> None:
+    def __init__(
+        self, spec: EngineSpec, worker_id: str, cost: CostModel, *, drafter: bool, auth: Security
+    ) -> None:
         if spec.draft_model:
             check_pair(spec.model, spec.draft_model)  # IncompatibleDraftError: a ValueError
         self.spec = spec
         self.worker_id = worker_id
         self.cost = cost
-        self.drafter = DrafterRole(spec, worker_id) if drafter else None
+        self.auth = auth
+        self.drafter = DrafterRole(spec, worker_id, auth=auth) if drafter else None
         # the draft model's cost model, for choosing k: the same draft preset on every worker
         self.draft_cost: CostModel | None = None
         if self.drafter is not None:
@@ -55,8 +59,9 @@ class Assist:
         return self.drafter.endpoint if self.drafter is not None else ""
 
     # -- commands -------------------------------------------------------------------------------
-    def start_pair(self, peer_id: str, peer_endpoint: str, role: str, k: int) -> bool:
-        """StartDraftAssist; returns whether it was applied."""
+    def start_pair(self, peer_id: str, peer_endpoint: str, role: str, k: int, peer_key: str = "") -> bool:
+        """StartDraftAssist; returns whether it was applied. `peer_key`: the drafter's CURVE server key
+        (a target's; else the member table's key for its endpoint)."""
         if role == "drafter":
             if self.drafter is None or not self.drafter.endpoint:
                 log.warning("not a drafter; StartDraftAssist ignored", worker_id=self.worker_id, peer=peer_id)
@@ -66,11 +71,21 @@ class Assist:
         if role != "target" or not valid_endpoint(peer_endpoint):
             log.warning("StartDraftAssist refused", peer=peer_id, role=role, endpoint=peer_endpoint)
             return False
+        auth = self.auth
+        if isinstance(auth, PlaneAuth):
+            peer_key = peer_key or auth.members.server_key(peer_endpoint) or ""
+            if not peer_key:
+                log.warning(
+                    "StartDraftAssist refused: no key for the drafter", peer=peer_id, endpoint=peer_endpoint
+                )
+                return False
         self.end(f"replaced by {peer_id}")
         s = self.spec
         self.speculator = Speculator(
             peer_id,
             peer_endpoint,
+            auth=auth,
+            server_key=peer_key,
             k=k or s.draft_k_min,
             k_min=s.draft_k_min,
             k_max=s.draft_k_max,
@@ -116,6 +131,10 @@ class Assist:
         )
 
     # -- reports --------------------------------------------------------------------------------
+    def plane_refusals(self) -> dict[str, int]:
+        """What this worker's drafter refused on the draft plane ({} without a drafter)."""
+        return self.drafter.plane_refusals() if self.drafter is not None else {}
+
     def totals(self) -> AssistTotals:
         """This worker's counts as a target, over every pair so far."""
         sp = self.speculator

@@ -26,6 +26,7 @@ from draft_models.drafter import DrafterServer
 from draft_models.synthetic_drafter import SyntheticDrafter
 from gateway.core.costmodel import CostModel
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.planes import Security
 from models.synthetic import Sampler
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class _LoadingGate:
 
 
 class DrafterRole:
-    def __init__(self, spec: EngineSpec, worker_id: str) -> None:
+    def __init__(self, spec: EngineSpec, worker_id: str, *, auth: Security) -> None:
         self.worker_id = worker_id
         self.cost = CostModel.preset(spec.draft_model, spec.gpu)
         drafter: DraftModel
@@ -85,7 +86,7 @@ class DrafterRole:
             )
         self._gate = _LoadingGate(drafter)
         self._server = DrafterServer(
-            self._gate, DRAFT_BIND, cost=self.cost, time_scale=time_scale, thread=self._thread
+            self._gate, DRAFT_BIND, auth=auth, cost=self.cost, time_scale=time_scale, thread=self._thread
         )
         self.quiet_s = max(0.02, spec.draft_timeout_ms / 1000.0)
         self.endpoint = ""  # "" before start and after retirement
@@ -100,6 +101,13 @@ class DrafterRole:
     @property
     def drafted_total(self) -> int:
         return self._server.stats.drafted
+
+    def plane_refusals(self) -> dict[str, int]:
+        """What the drafter's plane refused so far, by reason (gateway/protocol/planes.py)."""
+        return {
+            "handshake": self._server.handshakes_failed,
+            "unauthenticated": self._server.stats.unauthenticated,
+        }
 
     async def start(self) -> None:
         self.endpoint = await self._server.start()

@@ -32,6 +32,7 @@ from gateway.core.costmodel import CostModel, StepWork
 from gateway.core.health import Phase
 from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.planes import PlaneAuth
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
 from models.synthetic import SyntheticModel
 from worker_hooks.engine import errors
@@ -39,6 +40,7 @@ from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.draft_assist import Assist
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.loading import load_plan
+from worker_hooks.engine.orphans import Orphanage
 from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Drafts, Emission, Scheduler, Seq, StepResult
 from worker_hooks.engine.validation import validate
@@ -112,10 +114,15 @@ class Engine:
         self.incarnation = now_us()
         self.load_plan = load_plan(spec, self.cost)
         self.phase = self.load_plan.first
+        # the data planes' CURVE keypair of this process (Hello.plane_key) and the members it trusts
+        # (the gateway's Members): always on, never plaintext (gateway/protocol/planes.py)
+        self.planes = PlaneAuth.generate()
         # a restarting worker with a draft model drafts for a survivor while its full model loads
-        self.assist = Assist(spec, self.worker_id, self.cost, drafter=self.load_plan.drafts)
-        self.ckpt = Checkpointer(spec, self.worker_id, self.cost.model, pages=self.torch)
+        self.assist = Assist(spec, self.worker_id, self.cost, drafter=self.load_plan.drafts, auth=self.planes)
+        self.ckpt = Checkpointer(spec, self.worker_id, self.cost.model, auth=self.planes, pages=self.torch)
         self._handles: dict[str, RequestHandle] = {}
+        # requests whose gateway went away, kept for another to adopt (orphans.py)
+        self.orphans = Orphanage(lambda rid, message: self.abort(rid, message))
         self._wake = asyncio.Event()
         # fault injection (gray failure): a paused engine stops stepping while the agent keeps
         # heartbeating, so only the gateway's stall timeout can catch it
@@ -260,6 +267,7 @@ class Engine:
         # only requests a Lumen gateway sent under an epoch are fenced by an incarnation reset;
         # clients talking to the worker directly (or through another gateway) keep their streams
         handle.fenced_by_reset = ext is not None and ext.epoch != 0
+        handle.orphan_grace_s = ext.orphan_grace_s if ext is not None else 0.0
         self._handles[req.rid] = handle
         self.requests_total += 1
         self.prompt_tokens_total += len(req.input_ids)
@@ -275,6 +283,7 @@ class Engine:
         """
         seq = self.scheduler.abort(rid)
         handle = self._handles.pop(rid, None)
+        self.orphans.release(rid)
         self.ckpt.forget(rid, drop=drop_checkpoint)
         if seq is None and handle is None:
             return False
@@ -291,7 +300,27 @@ class Engine:
         return [r for r in rids if self.abort(r, message, drop_checkpoint=True)]
 
     def abort_all(self, message: str) -> list[str]:
+        self.orphans.clear()
         return [r for r in self.scheduler.rids() if self.abort(r, message)]
+
+    def orphan(self, handle: RequestHandle) -> None:
+        """The handle's reader left before its end: keep it for adoption if its gateway asked for a
+        grace, else abort it (freeing its pages at once)."""
+        if handle.orphan_grace_s > 0 and (handle.finished or handle.rid in self._handles):
+            self.orphans.keep(handle)
+        elif not handle.finished:
+            self.abort(handle.rid, "client disconnected")
+
+    def adopt(self, rid: str, epoch: int = 0) -> RequestHandle:
+        """A gateway takes over an orphaned request (raises NotFound / StaleEpoch, changing nothing)."""
+        if epoch and epoch != self.incarnation:
+            raise errors.StaleEpoch(
+                f"adopt for incarnation {epoch}, this worker is incarnation {self.incarnation}"
+            )
+        handle = self.orphans.adopt(rid)
+        if handle is None:
+            raise errors.NotFound(f"no orphaned request {rid!r} here (finished, aborted or never seen)")
+        return handle
 
     # -- checkpoint commands (control plane; DropCheckpoint goes to `ckpt.drop`) --------------------
     def assign_holders(self, rid: str, endpoints: list[str]) -> int:

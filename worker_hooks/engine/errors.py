@@ -15,7 +15,8 @@ class EngineError(Exception):
             self.code = code
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        # OpenAI's shape, as the gateway's and the worker's OpenAI routes answer (param: none named)
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
 
 
 class InvalidRequest(EngineError):
@@ -34,6 +35,20 @@ class PromptTooLong(InvalidRequest):
 
 class DuplicateRequest(InvalidRequest):
     code = "duplicate_request_id"
+
+
+class Unauthorized(EngineError):
+    """A request without the cluster's bearer (gateway/protocol/secrets.py)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(EngineError):
+    status = 404
+    type = "not_found_error"
+    code = "not_found"
 
 
 class StaleEpoch(EngineError):

@@ -92,6 +92,17 @@ class EngineCollector(Collector):
             "lumen_draft_accepted_tokens", "Drafts accepted by this worker's verification.", d.accepted
         )
         yield counter("lumen_draft_assisted_steps", "Engine steps that verified drafts.", d.rounds)
+        refused = CounterMetricFamily(
+            "lumen_plane_refused",
+            "Data-plane handshakes and messages refused: no CURVE or not a member (handshake), a key no "
+            "longer a member's (unauthenticated), a header naming another worker (impersonated) or "
+            "another incarnation (stale_epoch).",
+            labels=["plane", "reason"],
+        )
+        for plane, counts in (("kv", engine.ckpt.plane_refusals()), ("draft", engine.assist.plane_refusals())):
+            for reason, n in counts.items():
+                refused.add_metric([plane, reason], n)
+        yield refused
         phase = GaugeMetricFamily("lumen_phase", "1 for the phase the worker is in.", labels=["phase"])
         for p in Phase:
             phase.add_metric([p.value], 1.0 if p is s.phase else 0.0)

@@ -25,6 +25,7 @@ from gateway.core.health import Phase
 from gateway.protocol.generate import (
     SSE_DONE,
     AbortRequest,
+    AdoptRequest,
     GenerateChunk,
     LogprobRow,
     MetaInfo,
@@ -33,11 +34,13 @@ from gateway.protocol.generate import (
     encode_sse_chunk,
     request_decoder,
 )
+from gateway.protocol.openai.errors import OpenAIError
 from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.errors import EngineError, InvalidRequest
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.http import WORKER, json_response
 from worker_hooks.engine.scheduler import Emission
+from worker_hooks.engine.validation import check_body
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +54,7 @@ class FaultRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _fault_decoder = msgspec.json.Decoder(FaultRequest)
+_adopt_decoder = msgspec.json.Decoder(AdoptRequest)
 
 
 def error_response(exc: EngineError) -> web.Response:
@@ -93,25 +97,36 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[WORKER].engine
     body = await request.read()
     try:
+        check_body(body, engine.spec.vocab_size)  # sampling_params as the gateway checks them
         req = request_decoder.decode(body)
         if not req.rid:
             req = msgspec.structs.replace(req, rid=f"w-{uuid.uuid4().hex}")
         handle = engine.submit(req)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except OpenAIError as exc:
+        return json_response(exc.body(), status=exc.status)
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         return error_response(InvalidRequest(f"invalid /generate body: {exc}"))
     except EngineError as exc:
         return error_response(exc)
+    delivered = False
     try:
         if req.stream:
-            return await _stream(request, engine, handle)
-        return await _unary(engine, handle)
+            resp, delivered = await _stream(request, engine, handle)
+            return resp
+        resp = await _unary(engine, handle)
+        delivered = True
+        return resp
     finally:
-        # the client went away (handler cancelled or write failed) before the request finished
-        if not handle.finished:
-            engine.abort(handle.rid, "client disconnected")
+        # the client went away (handler cancelled or write failed) before it had the whole output:
+        # kept for adoption within the gateway's orphan grace, else aborted
+        if not delivered:
+            engine.orphan(handle)
 
 
-async def _stream(request: web.Request, engine: Engine, handle: RequestHandle) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, engine: Engine, handle: RequestHandle
+) -> tuple[web.StreamResponse, bool]:
+    """The request's SSE stream; also says whether the client got all of it."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
         await resp.prepare(request)
@@ -132,6 +147,37 @@ async def _stream(request: web.Request, engine: Engine, handle: RequestHandle) -
         await resp.write_eof()
     except ConnectionResetError:
         log.info("client disconnected", rid=handle.rid)
+        return resp, False
+    return resp, True
+
+
+async def adopt(request: web.Request) -> web.StreamResponse:
+    """`POST /lumen/adopt`: a gateway takes over an orphaned request; its stream from the first id."""
+    engine = request.app[WORKER].engine
+    try:
+        req = _adopt_decoder.decode(await request.read())
+        handle = engine.adopt(req.rid, req.epoch)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return error_response(InvalidRequest(f"invalid /lumen/adopt body: {exc}"))
+    except EngineError as exc:
+        return error_response(exc)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    delivered = False
+    try:
+        await resp.prepare(request)
+        async for batch in handle.follow():  # the first batch: everything so far, as one chunk
+            last = batch[-1]
+            ids = [i for e in batch for i in e.new_ids]
+            lps = [lp for e in batch for lp in e.logprobs]
+            data = encode_sse_chunk(_chunk(engine, handle, last, ids, lps))
+            await resp.write(data + SSE_DONE if last.finish is not None else data)
+        await resp.write_eof()
+        delivered = True
+    except ConnectionResetError:
+        log.info("adopting gateway disconnected", rid=handle.rid)
+    finally:
+        if not delivered:
+            engine.orphan(handle)  # left again: another gateway may still come
     return resp
 
 
@@ -179,10 +225,12 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=503, text=engine.phase.value)
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, *, fault_injection: bool = False) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_put("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
-    app.router.add_post("/lumen/fault", fault)
+    app.router.add_post("/lumen/adopt", adopt)
+    if fault_injection:  # a worker started for testing only (EngineSpec.fault_injection)
+        app.router.add_post("/lumen/fault", fault)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health)

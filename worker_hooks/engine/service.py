@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from gateway.protocol.launch import EngineSpec
 from worker_hooks.agent import Agent
 from worker_hooks.engine import info, openai_routes, server
+from worker_hooks.engine.auth import bearer_middleware
 from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.http import WORKER
 from worker_hooks.engine.metrics import make_registry
@@ -38,7 +39,8 @@ class Worker:
         self.started_at = int(time.time())
         self.url = ""
         self.port = 0
-        self.agent: Agent | None = None
+        self.agent: Agent | None = None  # the first gateway's (the only one, mostly)
+        self.agents: list[Agent] = []
 
     @property
     def worker_id(self) -> str:
@@ -54,9 +56,11 @@ class Worker:
         return self.engine.ckpt.endpoint
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024**2)
+        app = web.Application(
+            client_max_size=64 * 1024**2, middlewares=[bearer_middleware(self.spec.control_token)]
+        )
         app[WORKER] = self
-        server.add_routes(app)
+        server.add_routes(app, fault_injection=self.spec.fault_injection)
         openai_routes.add_routes(app)  # /v1/completions and /v1/chat/completions
         info.add_routes(app)
         return app
@@ -83,8 +87,14 @@ async def start_worker(spec: EngineSpec) -> AsyncIterator[Worker]:
         await worker.engine.start()
         try:
             if spec.control_address:
-                worker.agent = Agent(spec, worker.engine, worker.url)
-                await worker.agent.start()
+                # one control session per gateway of the cluster, over the one engine
+                for address in (spec.control_address, *spec.more_control_addresses):
+                    agent = Agent(spec, worker.engine, worker.url, address=address)
+                    await agent.start()
+                    worker.agents.append(agent)
+                for agent in worker.agents:
+                    agent.engine_role.siblings = [a for a in worker.agents if a is not agent]
+                worker.agent = worker.agents[0]
             log.info(
                 "worker listening",
                 worker_id=worker.worker_id,
@@ -96,8 +106,8 @@ async def start_worker(spec: EngineSpec) -> AsyncIterator[Worker]:
             try:
                 yield worker
             finally:
-                if worker.agent is not None:
-                    await worker.agent.stop()
+                for agent in worker.agents:
+                    await agent.stop()
         finally:
             await worker.engine.stop()
     finally:

@@ -33,6 +33,7 @@ import structlog
 from draft_models.client import DraftClient
 from gateway.core.costmodel import CostModel, StepWork
 from gateway.core.speculation import AcceptanceEstimator, choose_k, expected_tokens_per_step
+from gateway.protocol.planes import Security
 from worker_hooks.engine.scheduler import Drafts, Seq, Verification
 
 log = structlog.get_logger(__name__)
@@ -101,6 +102,8 @@ class Speculator:
         peer_id: str,
         endpoint: str,
         *,
+        auth: Security,
+        server_key: str = "",
         k: int,
         k_min: int,
         k_max: int,
@@ -113,7 +116,7 @@ class Speculator:
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
         self.peer_id = peer_id
-        self.client = DraftClient(endpoint, pair=peer_id)
+        self.client = DraftClient(endpoint, auth=auth, server_key=server_key, pair=peer_id)
         self.k_min, self.k_max = k_min, k_max
         self.k_initial = min(max(k, k_min), k_max)
         self.k = self.k_initial

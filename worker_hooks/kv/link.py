@@ -7,6 +7,10 @@ dropped, or once its oldest queued page has waited `linger_s`; consecutive pages
 grouped into frames of at least `frame_bytes` where the queue holds enough of them. Grouping copies
 (in this task, never on the caller's path); a single queued chunk goes out as the caller's buffer.
 `queued_bytes` counts what the link holds and is sending; zmq's own queue (SNDHWM messages) is on top.
+
+A link may start without a socket (`connect` returns None while the holder's CURVE server key is not
+known yet, e.g. a holder named by a request that arrived before the gateway's Members update): pages
+queue as for a holder that is not connected, and the task retries every `KEY_POLL_S`.
 """
 
 from __future__ import annotations
@@ -19,10 +23,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 import zmq
 import zmq.asyncio
 
 from gateway.protocol.kv import KvType, control_header, encode_header, pages_header
+from gateway.protocol.planes import KEY_POLL_S
+
+log = structlog.get_logger("lumen.kv.link")
+Connect = Callable[[str], zmq.asyncio.Socket | None]
+# how long a link waits for its holder's key before it says so in the log (it keeps waiting)
+KEY_WAIT_LOG_S = 2.0
 
 
 @dataclass(slots=True, eq=False)
@@ -99,8 +110,9 @@ class HolderLink:
     def __init__(
         self,
         endpoint: str,
-        sock: zmq.asyncio.Socket,
+        sock: zmq.asyncio.Socket | None,
         *,
+        connect: Connect | None = None,
         src_worker: str,
         incarnation: int,
         frame_bytes: int,
@@ -110,6 +122,7 @@ class HolderLink:
     ) -> None:
         self.endpoint = endpoint
         self._sock = sock
+        self._connect = connect  # makes the socket once it can (sock None)
         self._src, self._inc = src_worker, incarnation
         self._frame_bytes, self._linger_s, self._clock = frame_bytes, linger_s, clock
         self.pending: dict[str, _RidQueue] = {}
@@ -159,7 +172,29 @@ class HolderLink:
         return discarded
 
     # -- the task -------------------------------------------------------------------------------
+    async def _connected(self) -> zmq.asyncio.Socket:
+        sock = self._sock
+        if sock is not None:
+            return sock
+        if self._connect is None:
+            raise RuntimeError("a HolderLink without a socket needs `connect`")
+        waited = 0.0
+        while True:
+            try:
+                sock = self._connect(self.endpoint)
+            except ValueError as exc:  # an endpoint zmq will not connect to
+                log.error("kv_link_cannot_connect", endpoint=self.endpoint, error=str(exc))
+                await asyncio.Event().wait()  # pages stay queued (lag, then abandoned) until stopped
+            if sock is not None:
+                self._sock = sock
+                return sock
+            await asyncio.sleep(KEY_POLL_S)
+            waited += KEY_POLL_S
+            if waited >= KEY_WAIT_LOG_S and waited - KEY_POLL_S < KEY_WAIT_LOG_S:
+                log.warning("kv_link_waiting_for_holder_key", endpoint=self.endpoint, waited_s=waited)
+
     async def _run(self) -> None:
+        await self._connected()
         while True:
             if not self.pending:
                 self._wake.clear()
@@ -184,6 +219,8 @@ class HolderLink:
                     await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - now))
 
     async def _flush(self, rid: str, rq: _RidQueue) -> None:
+        sock = self._sock
+        assert sock is not None  # _run connects first
         chunks = rq.chunks
         while chunks:
             group = [chunks.popleft()]
@@ -207,7 +244,7 @@ class HolderLink:
             )
             try:
                 if len(group) == 1:  # the caller's buffer, as is
-                    await self._sock.send_multipart([encode_header(header), head.payload], copy=False)
+                    await sock.send_multipart([encode_header(header), head.payload], copy=False)
                 else:
                     buf = self._buffers.take(size)
                     offset = 0
@@ -215,7 +252,7 @@ class HolderLink:
                         buf[offset : offset + c.nbytes] = c.payload
                         offset += c.nbytes
                     frames = [encode_header(header), buf[:size]]
-                    tracker = await self._sock.send_multipart(frames, copy=False, track=True)
+                    tracker = await sock.send_multipart(frames, copy=False, track=True)
                     if tracker is not None:
                         self._buffers.lend(buf, tracker)
             finally:
@@ -225,7 +262,7 @@ class HolderLink:
             self.stats.bytes += size
         if rq.closing is not None:
             header = control_header(rq.closing, rid=rid, src_worker=self._src, incarnation=self._inc)
-            await self._sock.send_multipart([encode_header(header), b""], copy=False)
+            await sock.send_multipart([encode_header(header), b""], copy=False)
             self.stats.controls += 1
 
     async def stop(self, linger_ms: int = 0) -> None:
@@ -233,7 +270,8 @@ class HolderLink:
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
-        self._sock.close(linger_ms)
+        if self._sock is not None:
+            self._sock.close(linger_ms)
 
     @property
     def idle(self) -> bool:

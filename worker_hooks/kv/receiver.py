@@ -5,6 +5,12 @@ reports the bound one; ipc:// works too), receives zero-copy (the store keeps me
 received frames), and applies PAGES/END/DROP to the store. A bad message (another protocol version,
 a malformed or inconsistent header) is refused and logged and changes nothing; the loop keeps going.
 It owns one task, started by `start()` and ended by `close()`.
+
+Security (`gateway.protocol.planes`): with a `PlaneAuth` the socket is a CURVE server whose context's
+ZAP handler admits only current members' keys, and every message is checked again before it reaches
+the store: its connection's key must still be a current member's (else `unauthenticated`), and the
+header's `src_worker`/`incarnation` must be that member's worker and current incarnation (else
+`impersonated` or `stale_epoch`). `PLAINTEXT` (unit tests only) skips all of it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,17 @@ import zmq
 import zmq.asyncio
 
 from gateway.protocol.kv import KvHeader, KvProtocolError, KvType, decode
+from gateway.protocol.planes import (
+    KV_DOMAIN,
+    HandshakeWatch,
+    Member,
+    PlaneAuth,
+    RefusalLog,
+    Security,
+    ZapGuard,
+    curve_server,
+    user_id,
+)
 from worker_hooks.kv.store import CheckpointStore, HoldResult
 
 log = structlog.get_logger("lumen.kv.receiver")
@@ -36,6 +53,11 @@ class ReceiverStats:
     drops: int = 0
     gaps: int = 0
     stale: int = 0
+    # refused before the store (CURVE mode): not a current member's connection; a header naming
+    # another worker than the connection's key; an incarnation that is not the member's current one
+    unauthenticated: int = 0
+    impersonated: int = 0
+    stale_epoch: int = 0
 
 
 class StoreServer:
@@ -44,12 +66,14 @@ class StoreServer:
         store: CheckpointStore,
         endpoint: str = "tcp://127.0.0.1:0",
         *,
+        auth: Security,
         ctx: zmq.asyncio.Context | None = None,
         rcvhwm: int = 64,
         on_hold: Callable[[KvHeader, HoldResult], None] | None = None,
         slice_s: float = 0.002,
     ) -> None:
         self.store = store
+        self.auth = auth
         self._bind_to = endpoint
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
@@ -59,6 +83,9 @@ class StoreServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.stats = ReceiverStats()
+        self.refusals = RefusalLog("kv_message_refused")
+        self._guard: ZapGuard | None = None
+        self._handshakes: HandshakeWatch | None = None
         self.endpoint = ""
 
     async def start(self) -> str:
@@ -67,15 +94,30 @@ class StoreServer:
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        auth = self.auth
+        if isinstance(auth, PlaneAuth):
+            curve_server(sock, auth, KV_DOMAIN)
+            # members only, never the gateway: it sends no pages
+            self._guard = ZapGuard.acquire(
+                self._ctx, KV_DOMAIN, lambda key: auth.members.allows(key, gateways=False)
+            )
         try:
             sock.bind(self._bind_to)
         except zmq.ZMQError as exc:
             sock.close(0)
+            self._release_guard()
             raise OSError(f"cannot bind KV store at {self._bind_to}: {exc}") from exc
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if isinstance(auth, PlaneAuth):
+            self._handshakes = HandshakeWatch(sock, "kv")
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-store {self.endpoint}")
-        log.info("kv_store_listening", endpoint=self.endpoint, budget_bytes=self.store.budget_bytes)
+        log.info(
+            "kv_store_listening",
+            endpoint=self.endpoint,
+            budget_bytes=self.store.budget_bytes,
+            curve=isinstance(auth, PlaneAuth),
+        )
         return self.endpoint
 
     async def close(self) -> None:
@@ -84,11 +126,25 @@ class StoreServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._handshakes is not None:
+            await self._handshakes.close()
+            self._handshakes = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        self._release_guard()
         if self._own_ctx:
             self._ctx.term()
+
+    @property
+    def handshakes_failed(self) -> int:
+        """Connections whose CURVE handshake failed (no CURVE, wrong server key, not a member)."""
+        return self._handshakes.failed if self._handshakes is not None else 0
+
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.release(KV_DOMAIN)
+            self._guard = None
 
     async def __aenter__(self) -> StoreServer:
         await self.start()
@@ -104,7 +160,12 @@ class StoreServer:
         if sock is None:
             raise RuntimeError("StoreServer not started")
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except zmq.Again:
+                # pyzmq saw POLLIN but the message was gone by the recv (a pipe of a connection that
+                # was just refused or closed): nothing to read, wait again
+                continue
             deadline = time.perf_counter() + self._slice_s
             while True:
                 self._apply(frames)
@@ -118,20 +179,35 @@ class StoreServer:
             await asyncio.sleep(0)
 
     def _apply(self, frames: list[zmq.Frame]) -> None:
+        peer: Member | None = None
+        auth = self.auth
         try:
-            self.handle([f.buffer for f in frames])
+            if isinstance(auth, PlaneAuth):
+                key = user_id(frames[0])
+                peer = auth.members.member(key)
+                if peer is None:  # not (or no longer) a member: nothing of it is even decoded
+                    self.stats.messages += 1
+                    self.stats.refused += 1
+                    self.stats.unauthenticated += 1
+                    self.refusals("not a current member", key)
+                    return
+            self.handle([f.buffer for f in frames], peer)
         except Exception:  # the outermost loop: one bad message must not stop the store
             self.stats.refused += 1
             log.exception("kv_message_failed", frames=len(frames))
 
-    def handle(self, frames: list[memoryview]) -> None:
-        """Apply one received message to the store; a bad one is refused and logged."""
+    def handle(self, frames: list[memoryview], peer: Member | None = None) -> None:
+        """Apply one received message to the store; a bad one is refused and logged. `peer`: the
+        member the message's connection authenticated as (CURVE mode), whose identity the header
+        must carry."""
         self.stats.messages += 1
         try:
             header, payload = decode(frames)
         except KvProtocolError as exc:
             self.stats.refused += 1
             log.warning("kv_message_refused", reason=str(exc), frames=len(frames))
+            return
+        if peer is not None and not self._is_from(peer, header):
             return
         if header.type is KvType.PAGES:
             self._pages(header, payload)
@@ -141,6 +217,28 @@ class StoreServer:
         else:
             self.stats.drops += 1
         self.store.release(header.rid, src_worker=header.src_worker, incarnation=header.incarnation)
+
+    def _is_from(self, peer: Member, h: KvHeader) -> bool:
+        """Whether `h` is in the name of `peer`'s current incarnation; counts and logs a refusal."""
+        if h.src_worker != peer.worker_id:
+            self.stats.impersonated += 1
+            reason = "src_worker is not the connection's member"
+        elif h.incarnation != peer.incarnation:
+            self.stats.stale_epoch += 1
+            reason = "incarnation is not the member's current one"
+        else:
+            return True
+        self.stats.refused += 1
+        self.refusals(
+            reason,
+            peer.key,
+            member=peer.worker_id,
+            member_incarnation=peer.incarnation,
+            src_worker=h.src_worker[:64],
+            incarnation=h.incarnation,
+            rid=h.rid[:64],
+        )
+        return False
 
     def _pages(self, h: KvHeader, payload: memoryview) -> None:
         n = h.page_bytes

@@ -6,6 +6,10 @@ groups and sends. The payload buffer must stay unmodified until sent (pass `byte
 memory that is not reused). When a holder's queued bytes exceed `max_lag_bytes`, the request whose
 pages overflow it is abandoned on that holder: its queued pages are dropped, a DROP is queued, and
 `abandoned()` reports it so the heartbeat can tell the gateway. Call from the event loop's thread.
+
+With a `PlaneAuth` every link is a CURVE client that presents this process's key and pins the holder's
+server key (`server_key(endpoint)`, by default the member table's): pages go only to a member, and
+only as this member. A holder whose key is not known yet gets a link that waits for it (link.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.protocol.kv import KvType
+from gateway.protocol.planes import PlaneAuth, RetryRefused, Security, curve_client
 from worker_hooks.kv.link import Chunk, HolderLink, LinkStats
 
 
@@ -49,6 +54,8 @@ class CheckpointSender:
         src_worker: str,
         incarnation: int,
         *,
+        auth: Security,
+        server_key: Callable[[str], str | None] | None = None,
         ctx: zmq.asyncio.Context | None = None,
         frame_bytes: int = 1 << 20,
         linger_s: float = 0.002,
@@ -59,12 +66,16 @@ class CheckpointSender:
         if frame_bytes < 1 or max_lag_bytes < 1 or linger_s < 0 or sndhwm < 1:
             raise ValueError("frame_bytes, max_lag_bytes and sndhwm must be >= 1 and linger_s >= 0")
         self.src_worker, self.incarnation = src_worker, incarnation
+        self.auth = auth
+        # a holder endpoint's CURVE server key (None: not known yet)
+        self._server_key = server_key or (auth.members.server_key if isinstance(auth, PlaneAuth) else None)
         self.frame_bytes, self.linger_s, self.max_lag_bytes = frame_bytes, linger_s, max_lag_bytes
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._sndhwm = sndhwm
         self._clock = clock
         self._links: dict[str, HolderLink] = {}
+        self._retries: list[RetryRefused] = []  # CURVE: reconnect after a refused handshake
         self._abandoned: list[Abandoned] = []
         self._cost_ns: deque[int] = deque(maxlen=1 << 16)
         self._closed = False
@@ -150,20 +161,40 @@ class CheckpointSender:
         self._cost_ns.clear()
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def _open(self, endpoint: str) -> HolderLink:
+    def _socket(self, endpoint: str) -> zmq.asyncio.Socket | None:
+        """A PUSH connected to `endpoint`; None while its holder's server key is not known (CURVE).
+        ValueError for an endpoint zmq will not connect to."""
+        if self._closed:
+            return None
+        server_key = None
+        auth = self.auth
+        if isinstance(auth, PlaneAuth):
+            assert self._server_key is not None
+            server_key = self._server_key(endpoint)
+            if server_key is None:
+                return None
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, self._sndhwm)
         sock.setsockopt(zmq.LINGER, 0)
         # queue only to a connected holder, so a missing holder shows up as lag, not a black hole
         sock.setsockopt(zmq.IMMEDIATE, 1)
         try:
+            if isinstance(auth, PlaneAuth) and server_key is not None:
+                curve_client(sock, auth.keys, server_key)
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
             raise ValueError(f"bad holder endpoint {endpoint!r}: {exc}") from exc
+        if isinstance(auth, PlaneAuth):
+            self._retries.append(RetryRefused(sock, endpoint))
+        return sock
+
+    def _open(self, endpoint: str) -> HolderLink:
+        sock = self._socket(endpoint)
         link = HolderLink(
             endpoint,
             sock,
+            connect=self._socket,
             src_worker=self.src_worker,
             incarnation=self.incarnation,
             frame_bytes=self.frame_bytes,
@@ -191,6 +222,9 @@ class CheckpointSender:
         self._closed = True
         if drain_timeout_s > 0:
             await self.flush(drain_timeout_s)
+        for retry in self._retries:
+            await retry.close()
+        self._retries.clear()
         for link in self._links.values():
             await link.stop(linger_ms=int(drain_timeout_s * 1000))
         self._links.clear()

@@ -16,7 +16,12 @@ server exits before it is ready, or when it is not ready within `--seed-timeout-
 listen on the seed's host at `--weights-group-ports` (one port per TP rank, free there; default: this
 server's port + 500 + rank, launcher.WEIGHTS_GROUP_PORT_DELTA). `--seed-wait-s 0` never seeds.
 
-The control-plane secret comes from LUMEN_CONTROL_TOKEN. The agent prints one JSON line per event to
+The control-plane secret comes from LUMEN_CONTROL_TOKEN, else the 0600 file LUMEN_CONTROL_TOKEN_FILE
+names, else the file a gateway on this host published for the first gateway's port (never argv);
+LUMEN_CONTROL_CA names the PEM a TLS control plane's certificate chains to. The server's KV-plane keys and the
+gateways' members go to a 0600 plane file (worker_hooks/sglang/plane_file.py): LUMEN_PLANE_FILE names
+it (give a server the agent does not launch the same variable), else the agent makes a private one and
+passes it to the server it launches. The agent prints one JSON line per event to
 stdout (`started`, `server_started` with the server's pid, `server_ready`, `server_exited`,
 `server_lost`, `incarnation`, `abort_all`, and for relaunches `reload_from`, `no_seed`, `seed_failed`,
 `seed_timeout`, `reloaded` with its seconds and source; `at` is time.monotonic(), comparable across the processes of
@@ -39,6 +44,7 @@ from urllib.parse import urlsplit
 import structlog
 import uvloop
 
+from gateway.protocol.secrets import SecretError, resolve_token
 from worker_hooks.sglang.agent import Sidecar, SidecarConfig
 from worker_hooks.sglang.launcher import (
     WEIGHTS_GROUP_PORT_DELTA,
@@ -231,6 +237,11 @@ async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool, sto
             await asyncio.gather(watchdog, return_exceptions=True)
 
 
+
+def _token(gateways: list[str]) -> str:
+    port = gateways[0].rpartition(":")[2] if gateways else ""
+    return resolve_token(dict(os.environ), int(port) if port.isdigit() else None)
+
 def main(argv: list[str] | None = None) -> int:
     args, tail = parse(list(sys.argv[1:] if argv is None else argv))
     configure_logging(args.log_level)
@@ -249,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             worker_id=args.id or f"sglang-{port}",
             url=args.url.rstrip("/"),
             gateways=tuple(args.gateway),
-            token=os.environ.get("LUMEN_CONTROL_TOKEN", ""),
+            token=_token(args.gateway),
+            tls_ca=os.environ.get("LUMEN_CONTROL_CA", ""),
             model=args.model if args.model is not None else _launch_model(tail),
             failure_domain=args.failure_domain,
             poll_interval_s=args.poll_ms / 1000.0,
@@ -269,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.holder_status_endpoint is not None
             else str(storage.get("status_endpoint") or ""),
             holder_shards=args.holder_shards,
+            plane_file=os.environ.get("LUMEN_PLANE_FILE", ""),
         )
-    except ValueError as exc:
+    except (ValueError, SecretError) as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)
         return 2
     return uvloop.run(serve(cfg, launch, restart=not args.no_restart, stop_grace_s=args.stop_grace_s))

@@ -7,6 +7,9 @@ differs from Lumen's engine:
 - Hello says `engine = "sglang"` and `http_url = url` (the gateway then speaks SGLang's own `/generate`
   to it), the server's pid when the agent launched it, and its capacity from the last `/v1/loads`;
   the incarnation is time-based (microseconds) and strictly increasing across the agent's restarts;
+- the KV plane's security for the server (plane_file.py): Hello's `plane_key` is the server's CURVE key,
+  which the agent holds; the gateways' `Members` go into the server's 0600 plane file, whose path a
+  server the agent launches gets in its environment (`LUMEN_PLANE_FILE`);
 - heartbeats (at the Welcome's interval) carry the server's load: running, waiting and KV tokens used,
   summed over DP ranks, from the last answer of `GET /v1/loads?include=core`, which the agent polls at
   its own modest rate (`poll_interval_s`) and reuses between polls; the phase is LOADING_FULL until
@@ -45,6 +48,7 @@ reported once to each gateway with the first SERVING heartbeat after it (`reload
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,6 +73,7 @@ from worker_hooks.sglang.launcher import (
     seeded_command,
     weights_group_ports,
 )
+from worker_hooks.sglang.plane_file import ServerPlanes
 from worker_hooks.sglang.storage_layout import shard_endpoint, status_endpoint_for
 
 log = structlog.get_logger(__name__)
@@ -85,7 +90,8 @@ class SidecarConfig:
     worker_id: str
     url: str  # the server's http://host:port, as the gateway will reach it
     gateways: tuple[str, ...]  # control-plane host:port of each gateway
-    token: str = ""  # the control-plane secret (LUMEN_CONTROL_TOKEN)
+    token: str = ""  # the control-plane secret (LUMEN_CONTROL_TOKEN; gateway/protocol/secrets.py)
+    tls_ca: str = ""  # PEM the gateways' control-plane certificates chain to; "": plaintext
     model: str = ""
     failure_domain: str = ""
     poll_interval_s: float = 0.1
@@ -104,6 +110,9 @@ class SidecarConfig:
     # kv_endpoint (`page_store.status_endpoint_for`), as the storage backend derives it
     holder_status_endpoint: str = ""
     holder_shards: int = 0  # holder stores (ranks) to poll; 0: tp
+    # the server's plane file (keys and members for its KV plane, plane_file.py; LUMEN_PLANE_FILE): "": a
+    # private one the agent creates, and gives a server it launches
+    plane_file: str = ""
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -212,6 +221,7 @@ class SGLangRole:
             tp=cfg.tp,
             awaiting_seed=s.awaiting_seed,
             kv_endpoint=cfg.kv_endpoint,
+            plane_key=s.planes.keys.public,
             ckpt_budget_bytes=cfg.ckpt_budget_bytes,
         )
 
@@ -247,6 +257,8 @@ class SGLangRole:
         if kind == "drain":
             log.info("draining", worker_id=self.worker_id)
             self.draining = True
+        elif kind == "members":
+            self.sidecar.planes.update(self, msg.members)  # the server's plane file follows
         elif kind == "reload_from":
             self.sidecar.offer_seed(msg.reload_from.seed_worker_id, msg.reload_from.seed_url)
         else:
@@ -277,6 +289,8 @@ class Sidecar:
         on_event: EventSink | None = None,
     ) -> None:
         self.cfg = cfg
+        # the server's KV-plane keys and the members the gateways send, in the file its processes read
+        self.planes = ServerPlanes(cfg.worker_id, cfg.plane_file)
         self.on_event = on_event
         self.events: deque[dict[str, Any]] = deque(maxlen=1000)
         self.up = False  # /ready said 200 and nothing since said the server is lost
@@ -289,7 +303,11 @@ class Sidecar:
         self.holder: HolderReport | None = None
         self.clients = [
             ControlClient(
-                SGLangRole(self), address, token=cfg.token, heartbeat_interval_ms=cfg.heartbeat_interval_ms
+                SGLangRole(self),
+                address,
+                token=cfg.token,
+                tls_ca=cfg.tls_ca,
+                heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             )
             for address in cfg.gateways
         ]
@@ -298,7 +316,7 @@ class Sidecar:
         if launch is not None:
             self.server = ServerProcess(
                 launch,
-                env=launch_env,
+                env={**(launch_env if launch_env is not None else os.environ), **self.planes.env},
                 output=server_output,
                 restart=restart,
                 on_start=self._server_started,
@@ -358,6 +376,7 @@ class Sidecar:
             self._http = None
         if self.holders is not None:
             self.holders.close()
+        self.planes.close()
 
     # -- what the server does -------------------------------------------------------------------
     def server_lost(self, reason: str) -> None:

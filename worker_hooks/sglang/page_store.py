@@ -50,6 +50,13 @@ drops the batch; a full holder store refuses or evicts by its policy, on the hol
 returns False (SGLang logs it and stops that backup); reads never wait for anything but a short lock
 held while the holder applies one received message.
 
+Security (gateway/protocol/planes.py): the holder store is a CURVE server that admits only the cluster's
+current members, each under its own identity, and the writer is a CURVE client of the holders' keys; both
+under `auth`, by default this worker's keys and members from the plane file its sidecar agent writes
+(`LUMEN_PLANE_FILE`; no file: the store refuses to start). The writer writes under its worker's current
+incarnation as the members say (the agent's session; `incarnation` of the config until it is a member),
+with a new sender when that changes.
+
 Limits: a holder keeps per-request chains from page 0 (`CheckpointStore`), so a request whose first
 pages SGLang stored before it was routed (a prefix another request wrote) is checkpointed only where
 that holder already holds the prefix; elsewhere the holder refuses the gap and the gateway sees fewer
@@ -75,6 +82,7 @@ import zmq.asyncio
 
 from gateway.protocol import holder_status as hs
 from gateway.protocol.launch import Eviction
+from gateway.protocol.planes import Member, PlaneAuth, Security, auth_from_plane_file
 from worker_hooks.kv.receiver import StoreServer
 from worker_hooks.kv.sender import CheckpointSender
 from worker_hooks.kv.store import CheckpointStore, StoreStats
@@ -157,9 +165,9 @@ class _LockedStoreServer(StoreServer):
         super().__init__(store, endpoint, **kw)
         self._lock = lock
 
-    def handle(self, frames: list[memoryview]) -> None:
+    def handle(self, frames: list[memoryview], peer: Member | None = None) -> None:
         with self._lock:
-            super().handle(frames)
+            super().handle(frames, peer)
 
 
 @dataclass(slots=True, eq=False)
@@ -190,8 +198,11 @@ class PageStore:
         routes: RouteLookup = no_routes,
         *,
         clock: Callable[[], float] = time.monotonic,
+        auth: Security | None = None,
     ) -> None:
+        """`auth`: the data planes' security; None: this worker's from the plane file (production)."""
         self.config = config
+        self.auth = auth if auth is not None else auth_from_plane_file(config.worker_id)
         self._routes = routes
         self._clock = clock
         self._lock = threading.Lock()  # the holder store's contents
@@ -214,6 +225,8 @@ class PageStore:
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._sender: CheckpointSender | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._retiring: set[asyncio.Task[None]] = set()  # senders of older incarnations, draining
         started: Future[str] = Future()
         self._thread = threading.Thread(
             target=self._thread_main, args=(started,), name=f"lumen-pages-{config.shard}", daemon=True
@@ -495,19 +508,14 @@ class PageStore:
         expire: asyncio.Task[None] | None = None
         status: asyncio.Task[None] | None = None
         cfg = self.config
+        self._ctx = ctx
         try:
-            self._sender = CheckpointSender(
-                cfg.worker_id,
-                cfg.incarnation,
-                ctx=ctx,
-                frame_bytes=cfg.frame_bytes,
-                linger_s=cfg.linger_s,
-                max_lag_bytes=cfg.max_lag_bytes,
-                clock=self._clock,
-            )
+            self._sender = self._new_sender(self._incarnation())
             endpoint = ""
             if self.store is not None and cfg.holder_bind is not None:
-                server = _LockedStoreServer(self.store, cfg.holder_bind, ctx=ctx, lock=self._lock)
+                server = _LockedStoreServer(
+                    self.store, cfg.holder_bind, auth=self.auth, ctx=ctx, lock=self._lock
+                )
                 endpoint = await server.start()
                 expire = asyncio.create_task(self._expire(), name=f"lumen-pages-expire-{cfg.shard}")
                 if cfg.status_bind is not None:
@@ -521,6 +529,7 @@ class PageStore:
                     await asyncio.gather(task, return_exceptions=True)
             if self._sender is not None:
                 await self._sender.close(drain_timeout_s=cfg.drain_timeout_s)
+            await asyncio.gather(*self._retiring, return_exceptions=True)
             if server is not None:
                 await server.close()
             ctx.term()  # every socket is closed; waits at most for the sender's linger
@@ -559,10 +568,55 @@ class PageStore:
         if self._stop is not None:
             self._stop.set()
 
+    def _incarnation(self) -> int:
+        """This worker's incarnation to write under: the members' entry for it, else the config's."""
+        if isinstance(self.auth, PlaneAuth):
+            me = self.auth.members.current(self.config.worker_id)
+            if me is not None:
+                return me.incarnation
+        return self.config.incarnation
+
+    def _new_sender(self, incarnation: int) -> CheckpointSender:
+        cfg = self.config
+        return CheckpointSender(
+            cfg.worker_id,
+            incarnation,
+            auth=self.auth,
+            ctx=self._ctx,
+            frame_bytes=cfg.frame_bytes,
+            linger_s=cfg.linger_s,
+            max_lag_bytes=cfg.max_lag_bytes,
+            clock=self._clock,
+        )
+
+    def _current_sender(self) -> CheckpointSender | None:
+        """The sender of the current incarnation (a new one when it changed: the holders take pages only
+        under a member's current incarnation; the old one drains what it queued)."""
+        sender = self._sender
+        if sender is None or self._closed:
+            return sender
+        incarnation = self._incarnation()
+        if incarnation != sender.incarnation:
+            log.info(
+                "page_store_new_incarnation",
+                worker_id=self.config.worker_id,
+                old=sender.incarnation,
+                new=incarnation,
+            )
+            self._sender = self._new_sender(incarnation)
+            task = self._loop.create_task(sender.close(drain_timeout_s=self.config.drain_timeout_s))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+            # chains restart under the new incarnation: explicit parents; abandonment was per sender
+            self._next_page.clear()
+            self._abandoned.clear()
+            sender = self._sender
+        return sender
+
     def _enqueue(self, run: _Run) -> None:
         with self._count_lock:
             self._pending -= run.payload.nbytes
-        sender = self._sender
+        sender = self._current_sender()
         if sender is None or self._closed:
             self._count_dropped(run.n_pages)
             return
@@ -599,7 +653,7 @@ class PageStore:
                 self._abandoned_n += len(gone)
 
     def _close_rid(self, rid: str, drop: bool) -> None:
-        sender = self._sender
+        sender = self._current_sender()
         if sender is None:
             return
         if drop:

@@ -62,6 +62,7 @@ import structlog
 import torch
 
 from gateway.protocol.pagekeys import namespace_seed
+from gateway.protocol.planes import FileKeyring, Keyring
 from gateway.protocol.sglang import parse_kv_hints
 from worker_hooks.sglang.plugin_logic import (
     Copy,
@@ -280,7 +281,9 @@ class Checkpointer:
         write_to: Sequence[int] = (0,),
         writes: bool = True,
         abort_cls: type = type(None),
+        keyring: Keyring | None = None,
     ) -> None:
+        """`keyring`: the KV plane's keys to send under; None: the plane file's (production)."""
         if options.staging_bytes < reader.page_bytes:
             raise Unsupported(
                 f"staging_bytes {options.staging_bytes} is less than one page ({reader.page_bytes})"
@@ -301,7 +304,9 @@ class Checkpointer:
             staging=self.staging,
             write_to=write_to,
         )
-        self.shipper = Shipper(options, self.staging)
+        self.shipper = Shipper(
+            options, self.staging, keyring=keyring if keyring is not None else FileKeyring()
+        )
         if writes:
             reader.warm_up(self._ring)
         self._reqs: dict[Any, weakref.ref[Any]] = {}

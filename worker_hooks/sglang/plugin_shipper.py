@@ -12,6 +12,10 @@ per request: pages in order, END or DROP after them.
 The sender's lag bound gives a request up on a holder that lags (it queues the DROP itself);
 `given_up()` drains those (request, endpoint) pairs for the planner. A job whose bytes cannot be read
 (the copy failed) is dropped whole and its requests are reported given up on all their endpoints.
+
+Each sender sends under the plane security `keyring(src_worker)` gives (gateway/protocol/planes.py): in
+SGLang, the keys of the plane file its sidecar agent wrote (`FileKeyring`), so the server writes only
+as the worker whose keys it holds; a run for another worker is refused and given up.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 import structlog
 import zmq.asyncio
 
+from gateway.protocol.planes import Keyring
 from worker_hooks.kv.sender import CheckpointSender
 from worker_hooks.sglang.plugin_logic import Control, ControlKind, Copy, PluginOptions, Staging, parent_key
 
@@ -82,9 +87,15 @@ class _Queue:
 
 class Shipper:
     def __init__(
-        self, options: PluginOptions, staging: Staging, *, clock: Callable[[], float] = time.monotonic
+        self,
+        options: PluginOptions,
+        staging: Staging,
+        *,
+        keyring: Keyring,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.options, self.staging = options, staging
+        self._keyring = keyring
         self._clock = clock
         self._q = _Queue()
         self._given_up: list[tuple[str, str]] = []
@@ -295,6 +306,7 @@ class Shipper:
             sender = CheckpointSender(
                 src_worker,
                 epoch,
+                auth=self._keyring(src_worker),  # PlaneSecurityError (a RuntimeError): no keys for it
                 ctx=self._ctx,
                 frame_bytes=self.options.frame_bytes,
                 max_lag_bytes=self.options.max_lag_bytes,
@@ -331,8 +343,8 @@ class Shipper:
             self.staging.release(c.offset)
             self._taken(run)
             parent = parent_key(run.prefix_ids or [], c.page_size, c.seed) if c.starts_chain else None
-            sender = self._sender(c.src_worker, c.epoch)
             try:
+                sender = self._sender(c.src_worker, c.epoch)
                 sender.send_pages(
                     c.rid,
                     c.endpoints,

@@ -1,8 +1,9 @@
 """Typed reads from a decoded JSON body, each failure an InvalidRequest naming the parameter.
 
-JSON `null` reads as "not given" (OpenAI clients send explicit nulls). A bool is never a number.
+JSON `null` reads as "not given" (OpenAI clients send explicit nulls). A bool is never a number; an
+integer may be written with a zero fraction (`1.0`), as JSON Schema's `integer` allows.
 Codes follow OpenAI's: `invalid_json`, `invalid_type`, `invalid_value`, `missing_required_parameter`,
-`unsupported_parameter`.
+`unsupported_parameter`, `unknown_parameter`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ INVALID_TYPE = "invalid_type"
 INVALID_VALUE = "invalid_value"
 MISSING = "missing_required_parameter"
 UNSUPPORTED = "unsupported_parameter"
+UNKNOWN = "unknown_parameter"
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:
@@ -57,6 +59,16 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def as_int(value: object) -> int | None:
+    """`value` as an integer, also when JSON wrote it with a fraction of zero (`1.0`: JSON Schema's
+    `integer` is a value, and OpenAI's API reads it so); None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 def is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -75,6 +87,10 @@ class Fields:
     def raw(self, key: str) -> Any:
         return self._obj.get(key)
 
+    def items(self) -> list[tuple[str, Any]]:
+        """Every field as given, nulls included."""
+        return list(self._obj.items())
+
     def fail(self, key: str, why: str, code: str = INVALID_VALUE) -> InvalidRequest:
         return InvalidRequest(f"'{self.name(key)}' {why}", param=self.name(key), code=code)
 
@@ -88,11 +104,12 @@ class Fields:
         v = self._obj.get(key)
         if v is None:
             return default
-        if not is_int(v):
+        n = as_int(v)
+        if n is None:
             raise self.wrong(key, "an integer")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise self.fail(key, f"must be in {_range(lo, hi)}, got {v}")
-        return int(v)
+        if (lo is not None and n < lo) or (hi is not None and n > hi):
+            raise self.fail(key, f"must be in {_range(lo, hi)}, got {n}")
+        return n
 
     def opt_int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
         return self.integer(key, 0, lo, hi) if self.given(key) else None
@@ -144,10 +161,10 @@ class Fields:
         items = self.array(key)
         if items is None:
             return ()
-        check_token_ids(items, self.name(key), vocab_size)
-        if max_len is not None and len(items) > max_len:
-            raise self.fail(key, f"may hold at most {max_len} ids, got {len(items)}")
-        return tuple(items)
+        ids = check_token_ids(items, self.name(key), vocab_size)
+        if max_len is not None and len(ids) > max_len:
+            raise self.fail(key, f"may hold at most {max_len} ids, got {len(ids)}")
+        return ids
 
     def stop(self, key: str, max_items: int) -> tuple[str, ...]:
         """OpenAI `stop`: a string or a list of at most `max_items` non-empty strings."""
@@ -171,18 +188,23 @@ class Fields:
         raise self.fail(key, f"is not supported ({what})", UNSUPPORTED)
 
 
-def check_token_ids(items: list[Any], name: str, vocab_size: int) -> None:
+def check_token_ids(items: list[Any], name: str, vocab_size: int) -> tuple[int, ...]:
+    """`items` as token ids, each an integer in the vocabulary."""
+    ids = []
     for i, t in enumerate(items):
-        if not is_int(t):
+        n = as_int(t)
+        if n is None:
             raise InvalidRequest(
                 f"'{name}[{i}]' must be an integer token id, got {json_type(t)}",
                 param=name,
                 code=INVALID_TYPE,
             )
-        if not 0 <= t < vocab_size:
+        if not 0 <= n < vocab_size:
             raise InvalidRequest(
-                f"'{name}[{i}]' = {t} is not a token id (0..{vocab_size - 1})", param=name, code=INVALID_VALUE
+                f"'{name}[{i}]' = {n} is not a token id (0..{vocab_size - 1})", param=name, code=INVALID_VALUE
             )
+        ids.append(n)
+    return tuple(ids)
 
 
 def _range(lo: int | None, hi: int | None) -> str:

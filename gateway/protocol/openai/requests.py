@@ -4,6 +4,7 @@ Each `parse_*` takes the decoded JSON object and the server's `Bounds`, and retu
 value or raises InvalidRequest (400) / ModelNotFound (404) naming the offending parameter. Unknown
 top-level fields are ignored (OpenAI clients send many); known fields that cannot be honoured
 (echo, penalties, tools, n above the server's limit, ...) are refused rather than silently dropped.
+/generate's `sampling_params` are strict, as SGLang's are: an unknown key is refused too (sampling.py).
 The gateway builds its Bounds from its config, a worker from its EngineSpec.
 
 Log probabilities, as OpenAI defines them: a completion's `logprobs` is an integer 0..5 (the chosen
@@ -13,12 +14,14 @@ with `top_logprobs` 0..20. Both become `logprobs`: None (not asked for) or the n
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.protocol.openai.chat import ChatMessage, parse_messages
 from gateway.protocol.openai.errors import InvalidRequest, ModelNotFound
 from gateway.protocol.openai.fields import INVALID_VALUE, UNSUPPORTED, Fields, check_token_ids
+from gateway.protocol.openai.sampling import HONOURED_BY_GATEWAY, check_keys
 
 MAX_STOP_OPENAI = 4
 MAX_STOP_NATIVE = 16
@@ -142,17 +145,7 @@ def parse_generate(body: dict[str, Any], b: Bounds) -> NativeRequest:
         prompt: Prompt = _text(f, "text")
     else:
         prompt = _ids(f, "input_ids", b.vocab_size)
-    sp = f.obj("sampling_params") or Fields({}, prefix="sampling_params.")
-    sampling = SamplingRequest(
-        max_tokens=sp.integer("max_new_tokens", b.default_max_tokens, b.min_new_tokens, b.max_new_tokens),
-        temperature=sp.number("temperature", 1.0, 0.0, 2.0),
-        top_p=sp.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_top_k(sp, b),
-        stop=sp.stop("stop", MAX_STOP_NATIVE),
-        stop_token_ids=sp.token_ids("stop_token_ids", b.vocab_size, max_len=MAX_STOP_TOKEN_IDS),
-        ignore_eos=sp.boolean("ignore_eos", False),
-        seed=_seed(sp, "sampling_seed"),
-    )
+    sampling = parse_sampling_params(f, b)
     rid = f.string("rid")
     if rid is not None and not (0 < len(rid) <= MAX_RID_LEN and rid.isprintable()):
         raise f.fail("rid", f"must be 1..{MAX_RID_LEN} printable characters")
@@ -165,6 +158,30 @@ def parse_generate(body: dict[str, Any], b: Bounds) -> NativeRequest:
     text_in = f.boolean("return_text_in_logprobs", False)
     return NativeRequest(
         prompt, sampling, f.boolean("stream", False), rid, top if want_logprobs else None, text_in
+    )
+
+
+def parse_sampling_params(
+    body: Fields,
+    b: Bounds,
+    *,
+    honoured: Collection[str] = HONOURED_BY_GATEWAY,
+    max_stop_token_ids: int | None = MAX_STOP_TOKEN_IDS,
+) -> SamplingRequest:
+    """A /generate body's `sampling_params` (absent or null: every default). A key that is not
+    `honoured` is refused unless SGLang defines it and it holds its neutral value (sampling.py); a
+    server that does not honour `stop` or `sampling_seed` gets none from it."""
+    sp = body.obj("sampling_params") or Fields({}, prefix="sampling_params.")
+    check_keys(sp, honoured)
+    return SamplingRequest(
+        max_tokens=sp.integer("max_new_tokens", b.default_max_tokens, b.min_new_tokens, b.max_new_tokens),
+        temperature=sp.number("temperature", 1.0, 0.0, 2.0),
+        top_p=sp.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=_top_k(sp, b),
+        stop=sp.stop("stop", MAX_STOP_NATIVE) if "stop" in honoured else (),
+        stop_token_ids=sp.token_ids("stop_token_ids", b.vocab_size, max_len=max_stop_token_ids),
+        ignore_eos=sp.boolean("ignore_eos", False),
+        seed=_seed(sp, "sampling_seed") if "sampling_seed" in honoured else None,
     )
 
 
@@ -247,8 +264,7 @@ def _ids(f: Fields, key: str, vocab_size: int) -> tuple[int, ...]:
     v = f.array(key)
     if not v:
         raise f.fail(key, "must be a non-empty array of token ids")
-    check_token_ids(v, f.name(key), vocab_size)
-    return tuple(v)
+    return check_token_ids(v, f.name(key), vocab_size)
 
 
 def _prompt(f: Fields, b: Bounds) -> Prompt:

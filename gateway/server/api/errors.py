@@ -18,6 +18,8 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PromptTooLong",
+    "RateLimited",
+    "RequestTimeout",
     "RequestTooLarge",
     "Unauthorized",
     "UnreadableBody",
@@ -53,9 +55,30 @@ class Forbidden(GatewayError):
 
 
 class Overloaded(GatewayError):
+    """429: answered with `Retry-After` (whole seconds)."""
+
     status = 429
     type = "rate_limit_error"
     code = "too_many_requests"
+    retry_after_s: float = 1.0
+
+
+class RateLimited(Overloaded):
+    """An API key over its per-key concurrency or rate limit (limits.per_key_*)."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeout(GatewayError):
+    """The request body did not arrive within limits.body_timeout_s; the answer closes the connection."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class NoWorkerAvailable(GatewayError):

@@ -10,17 +10,24 @@ stop string in the same delta, included, as SGLang reports every id of `output_i
 `cached_tokens` is what the worker that first streamed reported for the prompt (at most the prompt's
 length): a resumed stream's later attempt sends `prompt + emitted` and may find that in a cache or a
 checkpoint, which says nothing about the client's prompt.
+
+A generation resumed from a client's Last-Event-ID (`Resumed`) gets its output again from the first id
+(adopted on its worker, or replayed with the same seed) and feeds the `sent` ids the client already
+has through the detokenizer as a `replay` step: the formats update their state with it (cumulative
+text, chat role, logprob offsets) and nothing of it is written; what follows is exactly the rest. A
+choice the client saw end (`done`) is not generated again.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 
 from gateway.protocol.generate import TokenLogprob
 from gateway.server.api.detokenize import Detokenizer
-from gateway.server.api.jobs import FinishReason, GenerateJob, Generator
+from gateway.server.api.jobs import Attempt, FinishReason, GenerateJob, Generator, TokenDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +43,28 @@ class Step:
     ids: tuple[int, ...]  # new output ids
     finish: Finish | None = None  # set on the last step only
     logprobs: tuple[TokenLogprob, ...] = ()  # one per id when the job asked for logprobs
+    attempt: Attempt | None = None  # the worker attempt the ids came from
+    replay: bool = False  # ids the client already has (a resumed stream): update state, write nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """Where a resumed choice stood when the client's stream broke (from its Last-Event-ID)."""
+
+    sent: int  # output ids the client's text covers
+    done: bool  # the client saw the choice end
+    cached_tokens: int = 0  # the usage detail the first attempt reported
 
 
 class Generation:
-    def __init__(self, generator: Generator, job: GenerateJob, detokenizer: Detokenizer) -> None:
+    def __init__(
+        self,
+        generator: Generator,
+        job: GenerateJob,
+        detokenizer: Detokenizer,
+        resumed: Resumed | None = None,
+    ) -> None:
         self.job = job
-        self._it = generator.generate(job)
         self._detok = detokenizer
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
@@ -49,6 +72,16 @@ class Generation:
         self._cached_known = False
         self.finish: Finish | None = None
         self._closed = False
+        self._skip = 0  # ids still to replay silently (a resumed stream)
+        self._pending: TokenDelta | None = None  # the new part of a delta the replay ended inside
+        self._done_tokens: int | None = None  # a choice that ended before the stream broke
+        if resumed is not None:
+            self.cached_tokens, self._cached_known = resumed.cached_tokens, True
+            self._skip = resumed.sent
+            if resumed.done:
+                self._done_tokens = resumed.sent
+                self.finish = Finish("stop")  # ended; its reason was sent already
+        self._it = generator.generate(job) if self._done_tokens is None else _nothing()
 
     @property
     def prompt_tokens(self) -> int:
@@ -56,7 +89,7 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.output_ids)
+        return len(self.output_ids) if self._done_tokens is None else self._done_tokens
 
     async def __aenter__(self) -> Generation:
         return self
@@ -70,12 +103,33 @@ class Generation:
         """The next step, or None after the last. Raises what the generator raises (GatewayError)."""
         if self.finish is not None:
             return None
+        if self._pending is not None:
+            delta, self._pending = self._pending, None
+            return await self._take(delta)
         try:
             delta = await anext(self._it)
         except StopAsyncIteration:
             # the generator ended without saying why: a full budget is "length", anything else "abort"
             full = self.completion_tokens >= self.job.sampling.max_new_tokens
             return await self._end(self._detok.finish(), (), Finish("length" if full else "abort"))
+        if self._skip:
+            n = min(self._skip, len(delta.ids))
+            self._skip -= n
+            head, lps = delta.ids[:n], delta.logprobs[:n]
+            self.output_ids.extend(head)
+            self.logprobs.extend(lps)
+            text = self._detok.feed(head)
+            if n == len(delta.ids) and delta.finish_reason is None:
+                return Step(text, head, None, lps, delta.attempt, replay=True)
+            # the rest of this delta is new to the client: keep it for the next call
+            self._pending = TokenDelta(
+                delta.ids[n:], delta.finish_reason, delta.matched_stop, delta.cached_tokens,
+                delta.logprobs[n:], delta.attempt,
+            )  # fmt: skip
+            return Step(text, head, None, lps, delta.attempt, replay=True)
+        return await self._take(delta)
+
+    async def _take(self, delta: TokenDelta) -> Step:
         self.output_ids.extend(delta.ids)
         self.logprobs.extend(delta.logprobs)
         if not self._cached_known and delta.ids:
@@ -87,21 +141,27 @@ class Generation:
         if matched is not None and shown and shown[-1] == matched:
             shown = shown[:-1]  # a matched stop token is not part of the text
         text = self._detok.feed(shown)
+        at = delta.attempt
         if self._detok.matched is not None:
-            return await self._end(text, delta.ids, Finish("stop", matched_text=self._detok.matched), lps)
+            return await self._end(text, delta.ids, Finish("stop", matched_text=self._detok.matched), lps, at)
         if delta.finish_reason is None:
-            return Step(text, delta.ids, None, lps)
+            return Step(text, delta.ids, None, lps, at)
         text += self._detok.finish()
         if self._detok.matched is not None:  # the flushed tail completed a stop string
-            return await self._end(text, delta.ids, Finish("stop", matched_text=self._detok.matched), lps)
-        return await self._end(text, delta.ids, Finish(delta.finish_reason, matched_token=matched), lps)
+            return await self._end(text, delta.ids, Finish("stop", matched_text=self._detok.matched), lps, at)
+        return await self._end(text, delta.ids, Finish(delta.finish_reason, matched_token=matched), lps, at)
 
     async def _end(
-        self, text: str, ids: tuple[int, ...], finish: Finish, logprobs: tuple[TokenLogprob, ...] = ()
+        self,
+        text: str,
+        ids: tuple[int, ...],
+        finish: Finish,
+        logprobs: tuple[TokenLogprob, ...] = (),
+        attempt: Attempt | None = None,
     ) -> Step:
         self.finish = finish
         await self.close()  # a stop string ends the work early: abort it now, not when the client reads
-        return Step(text, ids, finish, logprobs)
+        return Step(text, ids, finish, logprobs, attempt)
 
     async def close(self) -> None:
         if self._closed:
@@ -110,6 +170,11 @@ class Generation:
         aclose = getattr(self._it, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def _nothing() -> AsyncIterator[TokenDelta]:
+    return
+    yield
 
 
 class Choices:

@@ -31,6 +31,15 @@ class Sampling:
 
 
 @dataclass(frozen=True, slots=True)
+class Attempt:
+    """A worker attempt of a job: where its tokens come from (and where another gateway may adopt it)."""
+
+    worker_id: str
+    wrid: str  # the request's id on that worker
+    epoch: int  # the worker's incarnation
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateJob:
     rid: str
     prompt_ids: tuple[int, ...]
@@ -40,6 +49,9 @@ class GenerateJob:
     labels: dict[str, str] = field(default_factory=dict)
     # None: no log probabilities; k >= 0: every output token's, with the k most likely at its position
     logprobs: int | None = None
+    # a resumed stream (Last-Event-ID): the attempt that served it on the gateway that lost it; the
+    # session tries to adopt it there before replaying
+    adopt: Attempt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +66,7 @@ class TokenDelta:
     cached_tokens: int = 0
     # with job.logprobs set: one per id, in order (the same on every worker a resumed stream uses)
     logprobs: tuple[TokenLogprob, ...] = ()
+    attempt: Attempt | None = None  # the attempt these ids came from
 
 
 class Generator(Protocol):

@@ -3,6 +3,8 @@
 GatewayError -> its status and body; aiohttp's own HTTP errors (unknown route, wrong method, body too
 large) -> the same JSON shape; anything else -> 500 with a generic message, the traceback logged and
 never shown. A stream that has begun handles its own errors (see routes.py), since its status is sent.
+Errors before a request reaches the app (aiohttp's HTTP parser: a bad request line, header or chunk
+size) get the same body from http_server.py, which reuses `json_error`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ import structlog
 from aiohttp import hdrs, web
 
 from gateway.protocol.openai.errors import error_body
-from gateway.server.api.errors import GatewayError, NotFound, RequestTooLarge, Unauthorized, UnreadableBody
+from gateway.server.api.errors import (
+    GatewayError,
+    NotFound,
+    Overloaded,
+    RequestTimeout,
+    RequestTooLarge,
+    Unauthorized,
+    UnreadableBody,
+)
+from gateway.server.api.ratelimit import retry_after
 
 log = structlog.get_logger(__name__)
 
@@ -30,16 +41,23 @@ def json_error(
     )
 
 
+# after these the connection's input is unread or in an unknown state: the answer closes it
+_CLOSING = (UnreadableBody, RequestTooLarge, RequestTimeout)
+
+
 def error_response(exc: GatewayError) -> web.Response:
     headers = {hdrs.WWW_AUTHENTICATE: "Bearer"} if isinstance(exc, Unauthorized) else None
-    if isinstance(exc, UnreadableBody):
-        headers = {hdrs.CONNECTION: "close"}
-    return web.Response(
+    if isinstance(exc, Overloaded):
+        headers = {hdrs.RETRY_AFTER: retry_after(exc.retry_after_s)}
+    resp = web.Response(
         status=exc.status,
         body=msgspec.json.encode(exc.body()),
         content_type="application/json",
         headers=headers,
     )
+    if isinstance(exc, _CLOSING):
+        resp.force_close()
+    return resp
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:

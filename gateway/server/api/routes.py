@@ -18,10 +18,12 @@ sent as one `data: {"error": {...}}` event and the stream ends WITHOUT `data: [D
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.metadata
+import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -33,6 +35,7 @@ from gateway.protocol.openai.envelopes import (
     SSE_HEADERS,
     ChatEnvelope,
     CompletionEnvelope,
+    Json,
     sse_event,
 )
 from gateway.protocol.openai.errors import error_body
@@ -45,19 +48,23 @@ from gateway.protocol.openai.requests import (
     parse_completion,
     parse_generate,
 )
-from gateway.server.api.auth import check_bearer
+from gateway.protocol.streamid import stream_key
+from gateway.server.api.admission import KEY_ID, guard, limiter_of
 from gateway.server.api.chat_template import ChatTemplate
 from gateway.server.api.detokenize import Detokenizer
 from gateway.server.api.errors import (
     GatewayError,
     InvalidRequest,
     ModelNotFound,
+    RequestTimeout,
     RequestTooLarge,
     UnreadableBody,
 )
 from gateway.server.api.formats import Format, NativeFormat, OpenAIFormat
 from gateway.server.api.generation import Choices, Generation
 from gateway.server.api.jobs import GenerateJob, Generator, Sampling
+from gateway.server.api.openapi import ClientRoute, document
+from gateway.server.api.resume import LAST_EVENT_ID, ResumePoint, StreamIds, draw_seed, resume_point
 from gateway.server.api.schemas import bounds_of, check_prompt_length
 from gateway.server.api.tokenizer import Tokenizer
 
@@ -76,6 +83,10 @@ class ClientApi:
     bounds: Bounds
     eos_ids: tuple[int, ...]  # the tokenizer's EOS ids plus tokenizer.eos_token_ids from the config
     created: int
+    stream_key: bytes  # signs stream positions (resume.py); the same on every gateway of the cluster
+    # the guarded client routes by (method, canonical path), and /openapi.json once built
+    routes: dict[tuple[str, str], ClientRoute] = field(default_factory=dict)
+    openapi: dict[str, bytes] = field(default_factory=dict)
 
     async def encode(self, prompt: Prompt, *, add_special_tokens: bool, param: str) -> tuple[int, ...]:
         if isinstance(prompt, str):
@@ -88,6 +99,10 @@ class ClientApi:
         check_prompt_length(prompt, self.bounds, param)
         return prompt
 
+    async def read_body(self, request: web.Request) -> dict[str, object]:
+        lim = self.config.limits
+        return await read_json(request, lim.max_request_bytes, lim.body_timeout_s)
+
     def job(
         self,
         rid: str,
@@ -98,7 +113,10 @@ class ClientApi:
         *,
         logprobs: int | None = None,
         choice: int = 0,
+        seed: int | None = None,
     ) -> GenerateJob:
+        """`seed`: the choice's seed base when the request names none (drawn for streams, so a
+        resumed stream samples the same tokens; taken from the position when resuming)."""
         base = () if s.ignore_eos else self.eos_ids  # the request's own stop ids hold even then
         sampling = Sampling(
             max_new_tokens=s.max_tokens,
@@ -107,7 +125,7 @@ class ClientApi:
             top_k=s.top_k,
             stop_token_ids=tuple(dict.fromkeys((*base, *s.stop_token_ids))),
             ignore_eos=s.ignore_eos,
-            seed=None if s.seed is None else (s.seed + choice) % 2**64,
+            seed=seed if s.seed is None else (s.seed + choice) % 2**64,
         )
         return GenerateJob(rid, prompt_ids, sampling, stream, labels, logprobs)
 
@@ -121,26 +139,48 @@ class ClientApi:
         *,
         n: int = 1,
         logprobs: int | None = None,
+        resume: ResumePoint | None = None,
     ) -> Choices:
-        """The request's n generations: one job each (rid `<rid>-<i>` when n > 1, seed + i)."""
+        """The request's n generations: one job each (rid `<rid>-<i>` when n > 1, seed + i). A
+        resumed request's jobs get rids of their own (its first attempts may still run somewhere)."""
         gens = []
+        base_rid = rid if resume is None else f"{rid}.r{secrets.token_hex(3)}"
         for i in range(n):
-            job_rid = rid if n == 1 else f"{rid}-{i}"
-            job = self.job(job_rid, prompt_ids, s, stream, labels, logprobs=logprobs, choice=i)
-            gens.append(Generation(self.generator, job, Detokenizer(self.tokenizer, s.stop)))
+            job_rid = base_rid if n == 1 else f"{base_rid}-{i}"
+            seed = resume.seed(i) if resume is not None else draw_seed() if stream else None
+            job = self.job(job_rid, prompt_ids, s, stream, labels, logprobs=logprobs, choice=i, seed=seed)
+            if resume is not None:
+                job = dataclasses.replace(job, adopt=resume.adopt(i))
+            detok = Detokenizer(self.tokenizer, s.stop)
+            gens.append(
+                Generation(self.generator, job, detok, resume.resumed(i) if resume is not None else None)
+            )
         return Choices(gens)
+
+    def resume_point(
+        self, request: web.Request, body: dict[str, object], n: int, stream: bool
+    ) -> ResumePoint | None:
+        caller = request.get(KEY_ID, "")
+        return resume_point(request.headers.get(LAST_EVENT_ID), self.stream_key, body, caller, n, stream)
+
+    def stream_ids(
+        self, request: web.Request, body: dict[str, object], rid: str, created: int, choices: Choices,
+        resume: ResumePoint | None,
+    ) -> StreamIds:  # fmt: skip
+        caller = request.get(KEY_ID, "")
+        return StreamIds(self.stream_key, body, caller, rid, created, choices.gens, resume)
 
 
 CLIENT_API = web.AppKey("lumen_client_api", ClientApi)
-KEY_ID = web.RequestKey("lumen_key_id", str)  # the matched API key's key_id; absent when auth is off
 
 
 def add_client_routes(
     app: web.Application, *, config: Config, tokenizer: Tokenizer, generator: Generator
 ) -> None:
-    """Register the client API on `app`. Raises ConfigError if the chat template does not load."""
+    """Register the client API and /openapi.json on `app`. Raises ConfigError if the chat template
+    does not load."""
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *config.tokenizer.eos_token_ids)))
-    app[CLIENT_API] = ClientApi(
+    api = app[CLIENT_API] = ClientApi(
         config=config,
         tokenizer=tokenizer,
         generator=generator,
@@ -148,29 +188,21 @@ def add_client_routes(
         bounds=bounds_of(config, tokenizer.vocab_size),
         eos_ids=eos,
         created=int(time.time()),
+        stream_key=stream_key(config.gateway.control_token),
     )
-    guard = _guard(config.gateway.api_keys)
-    app.router.add_post("/v1/completions", guard(completions))
-    app.router.add_post("/v1/chat/completions", guard(chat_completions))
-    app.router.add_get("/v1/models", guard(list_models))
-    app.router.add_get("/v1/models/{model:.+}", guard(get_model))  # names may hold "/"
-    app.router.add_post("/generate", guard(generate))
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _guard(keys: tuple[str, ...]) -> Callable[[Handler], Handler]:
-    def wrap(handler: Handler) -> Handler:
-        async def guarded(request: web.Request) -> web.StreamResponse:
-            found = check_bearer(request, keys)
-            if found is not None:
-                request[KEY_ID] = found
-            return await handler(request)
-
-        return guarded
-
-    return wrap
+    guarded = guard(config.gateway.api_keys, limiter_of(config.limits))
+    for method, path, handler, body in (
+        ("POST", "/v1/completions", completions, "completion"),
+        ("POST", "/v1/chat/completions", chat_completions, "chat"),
+        ("GET", "/v1/models", list_models, None),
+        ("GET", "/v1/models/{model:.+}", get_model, None),  # names may hold "/"
+        ("POST", "/generate", generate, "generate"),
+    ):
+        add = app.router.add_get if method == "GET" else app.router.add_post  # a GET answers HEAD too
+        route = add(path, guarded(handler))
+        canonical = route.resource.canonical if route.resource is not None else path
+        api.routes[(method, canonical)] = ClientRoute(method, canonical, body)
+    app.router.add_get("/openapi.json", openapi_json)
 
 
 def _labels(request: web.Request, endpoint: str) -> dict[str, str]:
@@ -184,8 +216,9 @@ def _labels(request: web.Request, endpoint: str) -> dict[str, str]:
 READABLE_ENCODINGS = ("identity", "gzip", "deflate")
 
 
-async def read_json(request: web.Request, limit: int) -> dict[str, object]:
-    """The body as one JSON object, refusing (413) more than `limit` bytes before reading them all."""
+async def read_json(request: web.Request, limit: int, timeout_s: float) -> dict[str, object]:
+    """The body as one JSON object, refusing (413) more than `limit` bytes before reading them all,
+    and (408) a body still incomplete after `timeout_s`."""
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"the request body has {request.content_length} bytes; the limit is {limit}")
     encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
@@ -197,50 +230,73 @@ async def read_json(request: web.Request, limit: int) -> dict[str, object]:
         )
     buf = bytearray()
     try:
-        async for chunk in request.content.iter_any():
-            buf += chunk
-            if len(buf) > limit:
-                raise RequestTooLarge(f"the request body exceeds the limit of {limit} bytes")
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                buf += chunk
+                if len(buf) > limit:
+                    raise RequestTooLarge(f"the request body exceeds the limit of {limit} bytes")
     except web.RequestPayloadError as exc:  # e.g. a gzip body that is not gzip
         raise UnreadableBody(f"the request body could not be read as {encoding}") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s ({len(buf)} bytes read)"
+        ) from exc
     return decode_object(bytes(buf))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI completions"""
     api = request.config_dict[CLIENT_API]
-    req = parse_completion(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
+    body = await api.read_body(request)
+    req = parse_completion(body, api.bounds)
+    resume = api.resume_point(request, body, req.n, req.stream)
     ids = await api.encode(req.prompt, add_special_tokens=True, param="prompt")
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid, created = (resume.rid, resume.created) if resume else (f"cmpl-{uuid.uuid4().hex}", int(time.time()))
     labels = _labels(request, "completions")
-    choices = api.choices(rid, ids, req.sampling, req.stream, labels, n=req.n, logprobs=req.logprobs)
-    envelope = CompletionEnvelope(rid, req.model, int(time.time()), req.include_usage)
-    return await respond(request, choices, OpenAIFormat(envelope, api.tokenizer.token_text), req.stream)
+    choices = api.choices(
+        rid, ids, req.sampling, req.stream, labels, n=req.n, logprobs=req.logprobs, resume=resume
+    )
+    envelope = CompletionEnvelope(rid, req.model, created, req.include_usage)
+    fmt = OpenAIFormat(envelope, api.tokenizer.token_text)
+    positions = api.stream_ids(request, body, rid, created, choices, resume) if req.stream else None
+    return await respond(request, choices, fmt, req.stream, positions)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI chat completions"""
     api = request.config_dict[CLIENT_API]
-    req = parse_chat(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
+    body = await api.read_body(request)
+    req = parse_chat(body, api.bounds)
+    resume = api.resume_point(request, body, req.n, req.stream)
     text = api.template.render(req.messages)
     # the template places BOS and other specials itself
     ids = await api.encode(text, add_special_tokens=False, param="messages")
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid, created = (resume.rid, resume.created) if resume else (f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
     labels = _labels(request, "chat")
-    choices = api.choices(rid, ids, req.sampling, req.stream, labels, n=req.n, logprobs=req.logprobs)
-    envelope = ChatEnvelope(rid, req.model, int(time.time()), req.include_usage)
-    return await respond(request, choices, OpenAIFormat(envelope, api.tokenizer.token_text), req.stream)
+    choices = api.choices(
+        rid, ids, req.sampling, req.stream, labels, n=req.n, logprobs=req.logprobs, resume=resume
+    )
+    envelope = ChatEnvelope(rid, req.model, created, req.include_usage)
+    fmt = OpenAIFormat(envelope, api.tokenizer.token_text)
+    positions = api.stream_ids(request, body, rid, created, choices, resume) if req.stream else None
+    return await respond(request, choices, fmt, req.stream, positions)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang-native generation from text or token ids"""
     api = request.config_dict[CLIENT_API]
-    req = parse_generate(await read_json(request, api.config.limits.max_request_bytes), api.bounds)
+    body = await api.read_body(request)
+    req = parse_generate(body, api.bounds)
+    resume = api.resume_point(request, body, 1, req.stream)
     param = "text" if isinstance(req.prompt, str) else "input_ids"
     ids = await api.encode(req.prompt, add_special_tokens=True, param=param)
     labels = _labels(request, "generate")
     # a client's rid names the response only: jobs get unique gateway ids, so clients cannot collide
-    rid = f"gen-{uuid.uuid4().hex}"
-    choices = api.choices(rid, ids, req.sampling, req.stream, labels, logprobs=req.logprobs)
+    rid = resume.rid if resume else f"gen-{uuid.uuid4().hex}"
+    choices = api.choices(rid, ids, req.sampling, req.stream, labels, logprobs=req.logprobs, resume=resume)
     fmt = NativeFormat(req.rid or rid, api.tokenizer.token_text if req.return_text_in_logprobs else None)
-    return await respond(request, choices, fmt, req.stream)
+    positions = api.stream_ids(request, body, rid, 0, choices, resume) if req.stream else None
+    return await respond(request, choices, fmt, req.stream, positions)
 
 
 def _model_card(api: ClientApi) -> dict[str, object]:
@@ -248,22 +304,51 @@ def _model_card(api: ClientApi) -> dict[str, object]:
 
 
 async def list_models(request: web.Request) -> web.StreamResponse:
+    """The served model"""
     api = request.config_dict[CLIENT_API]
     return _json({"object": "list", "data": [_model_card(api)]})
 
 
 async def get_model(request: web.Request) -> web.StreamResponse:
+    """The served model by name"""
     api = request.config_dict[CLIENT_API]
     if request.match_info["model"] != api.bounds.model:
         raise ModelNotFound(f"the model '{request.match_info['model']}' does not exist", param="model")
     return _json(_model_card(api))
 
 
+async def openapi_json(request: web.Request) -> web.StreamResponse:
+    """This API as OpenAPI 3.1"""
+    api = request.config_dict[CLIENT_API]
+    if "doc" not in api.openapi:
+        doc = document(
+            request.app.router.routes(),
+            api.routes,
+            api.bounds,
+            title="Lumen gateway client API",
+            version=_version(),
+            keys=bool(api.config.gateway.api_keys),
+        )
+        api.openapi["doc"] = msgspec.json.encode(doc)
+    return web.Response(body=api.openapi["doc"], content_type="application/json")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lumen")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
 def _json(obj: object) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
 
 
-async def respond(request: web.Request, choices: Choices, fmt: Format, stream: bool) -> web.StreamResponse:
+async def respond(
+    request: web.Request, choices: Choices, fmt: Format, stream: bool, positions: StreamIds | None = None
+) -> web.StreamResponse:
+    """The whole response, or its SSE stream: each step's events in one write, the last with the
+    stream's position as its `id` (resume.py); replayed steps of a resumed stream are not written."""
     gens = choices.gens
     async with choices:  # closes every generator on every way out, cancellation included
         if not stream:
@@ -278,11 +363,16 @@ async def respond(request: web.Request, choices: Choices, fmt: Format, stream: b
             got = first
             while got is not None:
                 index, step = got
-                for chunk in fmt.chunks(index, step, gens[index]):
-                    await resp.write(sse_event(chunk))
+                events = fmt.chunks(index, step, gens[index])  # a replayed step updates the format
+                if not step.replay and events:
+                    if positions is not None:
+                        positions.step(index, step)
+                    await resp.write(_events(events, positions))
                 got = await choices.next()
-            for chunk in fmt.closing(gens):
-                await resp.write(sse_event(chunk))
+            if positions is None or not positions.closed:
+                closing = fmt.closing(gens)
+                if closing:
+                    await resp.write(_events(closing, positions, closed=True))
             await resp.write(SSE_DONE)
         except ConnectionResetError:
             log.debug("client left mid-stream", rid=choices.job.rid)
@@ -293,6 +383,14 @@ async def respond(request: web.Request, choices: Choices, fmt: Format, stream: b
             log.exception("stream failed", rid=choices.job.rid)
             await _write_error(resp, error_body("internal server error", "internal_error"))
         return resp
+
+
+def _events(objs: list[Json], positions: StreamIds | None, *, closed: bool = False) -> bytes:
+    data = b"".join(sse_event(o) for o in objs)
+    if positions is None:
+        return data
+    last = data.rfind(b"data: ")
+    return data[:last] + b"id: " + positions.position(closed=closed).encode() + b"\n" + data[last:]
 
 
 async def _write_error(resp: web.StreamResponse, body: dict[str, object]) -> None:

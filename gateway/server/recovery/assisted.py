@@ -38,7 +38,9 @@ from gateway.protocol.draft import (
     encode_request,
 )
 from gateway.protocol.generate import FinishReason, GenerateChunk, MetaInfo, encode
+from gateway.protocol.planes import CurveKeypair, RetryRefused, curve_client, is_key
 from gateway.protocol.sglang import SGLangGenerate, SGLangVerifyResponse, verified_tokens, verify_body
+from gateway.server.recovery.pairing import DrafterRef
 from gateway.server.workers.client import WorkerLost, WorkerRefused
 
 log = structlog.get_logger("lumen.assisted")
@@ -49,14 +51,25 @@ VERIFY_COST_PER_DRAFT = 0.05
 
 
 class DraftPlane:
-    """The gateway's DEALER to one drafter; rounds of many sessions share it, matched by round."""
+    """The gateway's DEALER to one drafter; rounds of many sessions share it, matched by round. A CURVE
+    client with the gateway's keys (announced to every worker in Members), to the drafter's key."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        timeout_s: float,
+        *,
+        keys: CurveKeypair,
+        server_key: str,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve_client(self._sock, keys, server_key)
         self._sock.connect(endpoint)
+        self._retry = RetryRefused(self._sock, endpoint)  # a drafter that had not heard of us yet
         self._rounds = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[DraftReply]] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"draft-plane-{endpoint}")
@@ -100,6 +113,7 @@ class DraftPlane:
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+        await self._retry.close()
         self._sock.close(0)
 
 
@@ -246,18 +260,18 @@ class GatewayVerifier:
     def __init__(
         self,
         *,
-        drafter_of: Callable[[str], tuple[str, str] | None],
+        drafter_of: Callable[[str], DrafterRef | None],
         k_min: int,
         k_max: int,
         draft_timeout_s: float,
         prior: float,
     ) -> None:
-        self._drafter_of = drafter_of  # target id -> (drafter id, draft endpoint), or None
+        self._drafter_of = drafter_of  # target id -> its drafter, or None
         self.k_min, self.k_max = k_min, k_max
         self.draft_timeout_s = draft_timeout_s
         self.prior = prior
         self._ctx: zmq.asyncio.Context | None = None
-        self._planes: dict[str, DraftPlane] = {}
+        self._planes: dict[tuple[str, str], DraftPlane] = {}  # (endpoint, drafter key) -> plane
         self._estimates: dict[tuple[str, str], AcceptanceEstimator] = {}
         self.drafted: dict[str, int] = {}  # per target: drafts verified
         self.accepted: dict[str, int] = {}
@@ -267,14 +281,16 @@ class GatewayVerifier:
         found = self._drafter_of(target)
         if found is None:
             return None
-        drafter, endpoint = found
-        if not endpoint:
-            return None
-        plane = self._planes.get(endpoint)
+        drafter, endpoint, server_key = found.drafter_id, found.endpoint, found.server_key
+        if not endpoint or not is_key(server_key):
+            return None  # no draft plane, or none the gateway can authenticate
+        plane = self._planes.get((endpoint, server_key))
         if plane is None:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            plane = self._planes[endpoint] = DraftPlane(self._ctx, endpoint, self.draft_timeout_s)
+            plane = self._planes[(endpoint, server_key)] = DraftPlane(
+                self._ctx, endpoint, self.draft_timeout_s, keys=found.client_keys, server_key=server_key
+            )
         est = self._estimates.get((drafter, target)) or AcceptanceEstimator(prior=self.prior)
         return drafter, plane, est
 

@@ -13,6 +13,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import structlog
 
@@ -20,11 +21,22 @@ from gateway.core.health import WorkerState
 from gateway.core.pairing import PairingParams, pair_drafters
 from gateway.core.types import ClusterView
 from gateway.protocol import control_pb2 as pb
+from gateway.protocol.planes import CurveKeypair
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
 
 log = structlog.get_logger("lumen.assist")
+
+
+class DrafterRef(NamedTuple):
+    """The drafter paired with a target, as a draft-plane client reaches it: CURVE with `client_keys`
+    (the gateway's own) to the drafter's `server_key`."""
+
+    drafter_id: str
+    endpoint: str
+    server_key: str
+    client_keys: CurveKeypair
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +81,13 @@ class DraftCoordinator:
         self.pairs = new
         self.metrics.assist_pairs.set(len(new))
 
-    def drafter_of(self, target: str) -> tuple[str, str] | None:
-        """(drafter id, its draft endpoint) of the drafter paired with `target`, or None."""
+    def drafter_of(self, target: str) -> DrafterRef | None:
+        """The drafter paired with `target` (id, draft endpoint, its plane key, and the gateway's own
+        keys to reach it with), or None."""
         for d, t in self.pairs.items():
             rec = self.monitor.workers.get(d)
             if t == target and rec is not None and rec.state is WorkerState.DRAFT_READY:
-                return d, rec.draft_endpoint
+                return DrafterRef(d, rec.draft_endpoint, rec.plane_key, self.control.plane_keys)
         return None
 
     async def run(self, period_s: float) -> None:
@@ -88,7 +101,11 @@ class DraftCoordinator:
             target,
             pb.GatewayMessage(
                 start_draft_assist=pb.StartDraftAssist(
-                    peer_id=drafter, peer_endpoint=d.draft_endpoint, role="target", k=self.k_initial
+                    peer_id=drafter,
+                    peer_endpoint=d.draft_endpoint,
+                    role="target",
+                    k=self.k_initial,
+                    peer_plane_key=d.plane_key,
                 )
             ),
         )

@@ -60,9 +60,10 @@ class WorkerStream:
         *,
         first_chunk_timeout_s: float,
         stall_timeout_s: float,
+        path: str = "/generate",
     ) -> None:
         self._http = http
-        self._url = url.rstrip("/") + "/generate"
+        self._url = url.rstrip("/") + path
         self._request = request
         self._first_timeout = first_chunk_timeout_s
         self._stall_timeout = stall_timeout_s

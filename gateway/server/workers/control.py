@@ -8,6 +8,7 @@ zombie that it is no longer trusted, so it resets and re-attaches as a new incar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import uuid
 from collections.abc import Callable
@@ -16,12 +17,16 @@ import grpc
 import structlog
 from grpc import aio
 
+from gateway.core.health import ALIVE_STATES, WorkerState
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol import control_pb2_grpc as pb_grpc
+from gateway.protocol.planes import CurveKeypair, Member, is_key, members_message
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
-from gateway.server.workers.monitor import AttachRefused, LoadMonitor, WorkerRecord
+from gateway.server.workers.monitor import AttachRefused, LoadMonitor, StateEvent, WorkerRecord
 
 log = structlog.get_logger("lumen.control")
+
+FENCE_NOTICE_TIMEOUT_S = 0.5  # a fenced worker may be hung: do not wait on its stream for long
 
 
 class ControlService(pb_grpc.ControlServicer):
@@ -35,6 +40,11 @@ class ControlService(pb_grpc.ControlServicer):
         self.heartbeat_hooks: list[Callable[[WorkerRecord, pb.Heartbeat], None]] = []
         # called once a worker is welcomed and `send` reaches it (the reload coordinator listens)
         self.attach_hooks: list[Callable[[WorkerRecord, pb.Hello], None]] = []
+        # the data planes (gateway/protocol/planes.py): the gateway's own CURVE keys (it is a draft-plane
+        # client for SGLang targets), and the Members list every worker gets whenever it changes
+        self.plane_keys = CurveKeypair.generate()
+        self.members_seq = 0
+        monitor.on_state_change.append(self._on_state_change)
 
     def send(self, worker_id: str, msg: pb.GatewayMessage) -> bool:
         """Queue a command for a worker's current incarnation; False if it is not attached."""
@@ -53,11 +63,16 @@ class ControlService(pb_grpc.ControlServicer):
             return
         hello = first.hello
         refusal = self._check_hello(hello)
+        if refusal is None and not is_key(hello.plane_key):
+            refusal = "Hello needs plane_key: the worker's CURVE public key (Z85, 40 characters)"
         if refusal is None:
             try:
                 rec = self.monitor.attach(hello)
             except AttachRefused as exc:
                 refusal = str(exc)
+            else:
+                rec.plane_key = hello.plane_key
+                self.broadcast_members()  # the others learn its key before anyone sends it work
         if refusal is not None:
             log.warning(
                 "attach_refused", worker=hello.worker_id, incarnation=hello.incarnation, reason=refusal
@@ -78,6 +93,7 @@ class ControlService(pb_grpc.ControlServicer):
         )
         outbox: asyncio.Queue[pb.GatewayMessage] = asyncio.Queue()
         self.outboxes[rec.id] = outbox
+        self.send(rec.id, self.members_message())  # its first command: who its peers are
         for hook in self.attach_hooks:
             try:
                 hook(rec, hello)
@@ -98,7 +114,41 @@ class ControlService(pb_grpc.ControlServicer):
             if self.outboxes.get(rec.id) is outbox:
                 del self.outboxes[rec.id]
             self.monitor.detach(rec, "control stream ended")
+        if fenced in done:
+            # say so before the stream ends: a fenced worker drops what it ran for us and comes back
+            # as a new incarnation, while a stream that merely ends (this gateway restarting) does
+            # not make it reset (its requests stay adoptable, and other gateways keep theirs)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(FENCE_NOTICE_TIMEOUT_S):
+                    notice = pb.Refuse(reason=f"fenced: incarnation {rec.incarnation} was declared {rec.state.value}")
+                    await context.write(pb.GatewayMessage(incarnation=rec.incarnation, refuse=notice))
         log.info("detached", worker=rec.id, incarnation=rec.incarnation, reason=reason)
+
+    # -- plane membership -------------------------------------------------------------------------
+    def members_message(self) -> pb.GatewayMessage:
+        """Every live incarnation with a plane key, and the gateway's own key (next `seq`)."""
+        self.members_seq += 1
+        members = [
+            Member(r.id, r.incarnation, r.plane_key, r.kv_endpoint, r.draft_endpoint)
+            for r in self.monitor.workers.values()
+            if r.plane_key and r.state in ALIVE_STATES
+        ]
+        return members_message(members, [self.plane_keys.public], self.members_seq)
+
+    def broadcast_members(self) -> None:
+        """Send the current Members to every attached worker."""
+        if not self.outboxes:
+            return
+        msg = self.members_message()
+        for wid in list(self.outboxes):
+            copy = pb.GatewayMessage()
+            copy.CopyFrom(msg)
+            self.send(wid, copy)
+
+    def _on_state_change(self, ev: StateEvent) -> None:
+        # a failed (fenced) or removed incarnation stops being a member at once
+        if ev.dst in (WorkerState.FAILED, WorkerState.REMOVED) and ev.src is not ev.dst:
+            self.broadcast_members()
 
     def _check_hello(self, hello: pb.Hello) -> str | None:
         if hello.protocol_version != CONTROL_PROTOCOL_VERSION:
@@ -130,11 +180,18 @@ class ControlService(pb_grpc.ControlServicer):
             await context.write(msg)
 
 
-async def start_control_server(service: ControlService, host: str, port: int) -> tuple[aio.Server, int]:
-    """Start the gRPC server; returns it and the bound port (port 0 lets the OS choose)."""
+async def start_control_server(
+    service: ControlService, host: str, port: int, *, tls: tuple[bytes, bytes] | None = None
+) -> tuple[aio.Server, int]:
+    """Start the gRPC server; returns it and the bound port (port 0 lets the OS choose). With `tls`
+    (private key, certificate chain: PEM) the port speaks TLS only."""
     server = aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ControlServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        creds = grpc.ssl_server_credentials([tls])
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the control plane on {host}:{port}")
     await server.start()

@@ -1,19 +1,23 @@
 """The load monitor: the gateway's live view of every worker, fed by the control plane.
 
-It owns worker state (through the core transition table), failure detection by silence, fencing of
-old incarnations, and failure notifications to the sessions streaming from a worker.
+It owns worker state (through the core transition table), failure detection by silence (the core's
+adaptive detector and verdict, core/detector.py, with an HTTP probe of a suspected worker's own
+server), fencing of old incarnations, failure notifications to the sessions streaming from a worker,
+and the expiry of records of workers that failed or were removed and never came back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 
 import structlog
 
+from gateway.core import detector as fd
 from gateway.core import health
+from gateway.core.detector import DetectorParams, HeartbeatDetector, Silence
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import ClusterView
@@ -21,6 +25,7 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
+from gateway.server.workers.probe import HttpProbe
 from gateway.server.workers.records import (
     AttachRefused,
     Clock,
@@ -32,7 +37,13 @@ from gateway.server.workers.records import (
 
 log = structlog.get_logger("lumen.monitor")
 
-__all__ = ["AttachRefused", "LoadMonitor", "StateEvent", "WorkerRecord", "phase_of", "reload_note"]
+__all__ = ["AttachRefused", "LoadMonitor", "Prober", "StateEvent", "WorkerRecord", "phase_of", "reload_note"]
+
+# `await prober(http_url)`: True (the worker's process answered), False (refused: it is gone), None
+Prober = Callable[[str], Awaitable[bool | None]]
+# expired records whose last incarnation is remembered (fencing), oldest forgotten first
+TOMBSTONES_MAX = 4096
+EXPIRY_SWEEP_S = 1.0
 
 
 def reload_note(seconds: float, source: str, seed: str) -> str:
@@ -52,11 +63,29 @@ class LoadMonitor:
         heartbeat_interval_s: float,
         heartbeat_misses: int,
         correlated_grace_s: float = 1.0,
+        detector: DetectorParams | None = None,
+        record_retention_s: float = 300.0,
+        prober: Prober | None = None,
     ) -> None:
         self.correlated_grace_s = correlated_grace_s
         self.clock = clock
         self.interval_s = heartbeat_interval_s
         self.misses = heartbeat_misses
+        # the silence rule (core/detector.py); `detector` comes from the [health] section
+        self.detector_params = (
+            detector
+            if detector is not None
+            else DetectorParams(interval_s=heartbeat_interval_s, misses=heartbeat_misses)
+        )
+        self.tick_period_s = heartbeat_interval_s / 2
+        # probes suspected Lumen workers (None: run_detector makes an HTTP one when probes are on)
+        self.prober = prober
+        self._probes: set[asyncio.Task[None]] = set()
+        self.stall_forgiven_s = 0.0  # the gateway's own stalls, not counted as anyone's silence
+        # FAILED and REMOVED records are dropped this long after; their last incarnation is kept
+        self.record_retention_s = record_retention_s
+        self._tombstones: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        self._last_sweep: float | None = None
         self.workers: dict[str, WorkerRecord] = {}
         self.events: deque[StateEvent] = deque(maxlen=10_000)
         self._sub_ids = itertools.count(1)
@@ -79,6 +108,15 @@ class LoadMonitor:
         """Register a worker incarnation. A stale or duplicate incarnation is refused (fencing)."""
         now = self.clock()
         old = self.workers.get(hello.worker_id)
+        gone = self._tombstones.get(hello.worker_id) if old is None else None
+        if gone is not None:  # an expired record: still fenced
+            last, removed = gone
+            if removed:
+                raise AttachRefused(f"worker {hello.worker_id} was removed")
+            if hello.incarnation <= last:
+                raise AttachRefused(
+                    f"incarnation {hello.incarnation} is not newer than {last} for worker {hello.worker_id}"
+                )
         if old is not None:
             if hello.incarnation <= old.incarnation:
                 raise AttachRefused(
@@ -90,7 +128,7 @@ class LoadMonitor:
                 self._fail(old, "replaced by a new incarnation")
         phase = phase_of(hello.phase)
         if old is None:
-            state = WorkerState.JOINING
+            state = WorkerState.JOINING if gone is None else WorkerState.RESTARTING
         elif old.state is WorkerState.REMOVED:
             raise AttachRefused(f"worker {hello.worker_id} was removed")
         else:
@@ -115,6 +153,8 @@ class LoadMonitor:
             last_heartbeat=now,
             attached_at=now,
         )
+        rec.detector = HeartbeatDetector(self.detector_params, now)
+        self._tombstones.pop(rec.id, None)
         rec._changed = self._changed
         self._changed.append(rec)
         self.workers[rec.id] = rec
@@ -125,7 +165,12 @@ class LoadMonitor:
     def heartbeat(self, rec: WorkerRecord, hb: pb.Heartbeat) -> None:
         if self.workers.get(rec.id) is not rec or rec.state not in health.ALIVE_STATES:
             return  # a fenced incarnation: ignore
-        rec.last_heartbeat = self.clock()
+        now = self.clock()
+        rec.last_heartbeat = now
+        det = self._detector_of(rec)
+        gap = det.silence(now)
+        det.beat(now)
+        rec.probe_gen += 1  # the silence is over: an answer to its probe means nothing now
         rec.heartbeats += 1
         rec.running = hb.running
         rec.waiting = hb.waiting
@@ -150,7 +195,7 @@ class LoadMonitor:
             )
             note = reload_note(hb.reload_seconds, hb.reload_source, hb.reload_seed)
         if rec.state is WorkerState.SUSPECT:
-            self._set(rec, WorkerState.HEALTHY, "heartbeat resumed")
+            self._set(rec, WorkerState.HEALTHY, f"heartbeat resumed after {1000 * gap:.0f} ms")
         self._apply_phase(rec, rec.phase, note)
 
     def detach(self, rec: WorkerRecord, reason: str) -> None:
@@ -174,40 +219,126 @@ class LoadMonitor:
 
     # -- failure detection by silence -----------------------------------------------------------
     def tick(self) -> None:
+        """One pass of the detector (every half interval): forgive the gateway's own stall, judge every
+        live worker's silence (core/detector.py), apply the verdicts, send the probes they ask for,
+        and expire old records."""
         now = self.clock()
-        if self._last_tick is not None and now - self._last_tick > 2 * self.interval_s:
-            # the gateway itself stalled (GC, CPU starvation): silence we measured is ours, not theirs
-            for rec in self.workers.values():
-                rec.last_heartbeat = max(rec.last_heartbeat, now - self.interval_s)
+        stall = fd.gateway_stall(self._last_tick, now, self.tick_period_s)
         self._last_tick = now
-        verdicts = health.silence_verdicts(
-            {w.id: (w.state, self._silence(w, now)) for w in self.workers.values()},
-            self.interval_s,
-            self.misses,
-            self.correlated_grace_s,
-        )
-        for rec in list(self.workers.values()):
+        if stall > 0:
+            # the gateway itself stalled (GC, CPU starvation): silence we measured is ours, not theirs
+            self.stall_forgiven_s += stall
+        judged: list[tuple[WorkerRecord, HeartbeatDetector]] = []
+        silences: dict[str, Silence] = {}
+        for rec in self.workers.values():
             if rec.state not in health.ALIVE_STATES:
                 continue
-            dst = verdicts[rec.id]
-            if dst is WorkerState.FAILED:
-                self._fail(rec, f"no heartbeat for {1000 * (now - rec.last_heartbeat):.0f} ms")
-            elif dst is not rec.state:
-                self._set(rec, dst, f"heartbeat late by {1000 * (now - rec.last_heartbeat):.0f} ms")
+            det = self._detector_of(rec)
+            det.forgive(stall)
+            judged.append((rec, det))
+            silences[rec.id] = Silence(
+                rec.state, det.silence(now), det.thresholds(), det.probe(now), self._probeable(rec)
+            )
+        verdicts = fd.silence_verdicts(silences, self.correlated_grace_s)
+        for rec, det in judged:
+            v = verdicts[rec.id]
+            if self.workers.get(rec.id) is not rec or rec.state not in health.ALIVE_STATES:
+                continue  # changed by a listener of an earlier verdict
+            if v.state is WorkerState.FAILED:
+                rec.failed_by_silence = True
+                self._fail(rec, v.why)
+                continue
+            if v.state is not rec.state:
+                self._set(rec, v.state, v.why)
+            if v.probe:
+                self._send_probe(rec, det, now)
+        self._expire(now)
 
-    def _silence(self, w: WorkerRecord, now: float) -> float:
-        """Seconds since `w`'s last heartbeat, in units of the control plane's interval: a worker with
-        its own heartbeat interval (a polled SGLang server) is judged by its own misses."""
-        age = now - w.last_heartbeat
-        if w.heartbeat_interval_s is None:
-            return age
-        return age * self.interval_s / w.heartbeat_interval_s
+    def _detector_of(self, rec: WorkerRecord) -> HeartbeatDetector:
+        """`rec`'s detector, for its own heartbeat interval (a polled SGLang server's is its poll's)."""
+        det = rec.detector
+        interval = rec.heartbeat_interval_s or self.detector_params.interval_s
+        if det is None or det.params.interval_s != interval:
+            det = rec.detector = HeartbeatDetector(
+                self.detector_params.for_interval(interval), rec.last_heartbeat
+            )
+        return det
+
+    def _probeable(self, rec: WorkerRecord) -> bool:
+        """Lumen's workers are probed on their HTTP server; an SGLang server's polls are its heartbeats
+        already, and an SGLang sidecar's server says nothing of the sidecar."""
+        return (
+            self.prober is not None
+            and rec.engine is EngineKind.LUMEN
+            and rec.heartbeat_interval_s is None
+            and bool(rec.http_url)
+        )
+
+    def _send_probe(self, rec: WorkerRecord, det: HeartbeatDetector, now: float) -> None:
+        prober = self.prober
+        if prober is None:
+            return
+        det.probe_sent(now)
+        rec.probe_gen += 1
+        task = asyncio.get_running_loop().create_task(
+            self._probe(prober, rec, rec.probe_gen), name=f"probe-{rec.id}"
+        )
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, prober: Prober, rec: WorkerRecord, gen: int) -> None:
+        try:
+            answer = await prober(rec.http_url)
+        except Exception as exc:  # a prober's bug is a probe without an answer, never a dead detector
+            log.warning("probe_failed", worker=rec.id, error=repr(exc))
+            return
+        if answer is None or rec.probe_gen != gen or rec.detector is None:
+            return  # no answer (the verdict sees the probe still out), or the silence already ended
+        rec.detector.probe_answered(answer)
+        log.debug("probe_answered", worker=rec.id, incarnation=rec.incarnation, alive=answer)
+
+    def _expire(self, now: float) -> None:
+        """Drop FAILED and REMOVED records `record_retention_s` after they ended (a worker that never
+        came back, a refused impostor's failed attach), keeping their last incarnation for fencing."""
+        if self._last_sweep is not None and now - self._last_sweep < EXPIRY_SWEEP_S:
+            return
+        self._last_sweep = now
+        gone = [
+            rec
+            for rec in self.workers.values()
+            if rec.state in (WorkerState.FAILED, WorkerState.REMOVED)
+            and rec.ended_at is not None
+            and now - rec.ended_at >= self.record_retention_s
+        ]
+        for rec in gone:
+            del self.workers[rec.id]
+            self._tombstones[rec.id] = (rec.incarnation, rec.state is WorkerState.REMOVED)
+            self._tombstones.move_to_end(rec.id)
+            log.info(
+                "worker_record_expired", worker=rec.id, incarnation=rec.incarnation, state=rec.state.value
+            )
+        while len(self._tombstones) > TOMBSTONES_MAX:
+            self._tombstones.popitem(last=False)
+        if gone:
+            self._view = None  # rebuilt without them (with_workers only adds and updates)
 
     async def run_detector(self) -> None:
-        period = self.interval_s / 2
-        while True:
-            self.tick()
-            await asyncio.sleep(period)
+        own: HttpProbe | None = None
+        if self.prober is None and self.detector_params.probe_timeout_s > 0:
+            # a probe outlives its verdict's wait only up to the cap, where the silence alone decides
+            own = HttpProbe(timeout_s=self.detector_params.max_silence_s)
+            self.prober = own
+        try:
+            while True:
+                self.tick()
+                await asyncio.sleep(self.tick_period_s)
+        finally:
+            for task in list(self._probes):
+                task.cancel()
+            await asyncio.gather(*self._probes, return_exceptions=True)
+            if own is not None:
+                self.prober = None
+                await own.close()
 
     # -- views and subscriptions ----------------------------------------------------------------
     def view(self) -> ClusterView:
@@ -338,6 +469,8 @@ class LoadMonitor:
     def _fail(self, rec: WorkerRecord, reason: str) -> None:
         rec.failed_at = self.clock()
         self._set(rec, WorkerState.FAILED, reason)
+        # what a dead incarnation last reported is void (it showed as a stale running count)
+        rec.running = rec.waiting = 0
         rec.fence.set()
         self._notify_watchers(rec, reason)
 
@@ -351,6 +484,8 @@ class LoadMonitor:
     def _set(self, rec: WorkerRecord, dst: WorkerState, reason: str) -> None:
         src = rec.state
         rec.state = health.transition(src, dst)
+        if dst in (WorkerState.FAILED, WorkerState.REMOVED):
+            rec.ended_at = self.clock()
         self._record(rec, src, dst, reason)
 
     def _record(self, rec: WorkerRecord, src: WorkerState | None, dst: WorkerState, reason: str) -> None:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.core.detector import HeartbeatDetector
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import WorkerView
 from gateway.protocol import control_pb2 as pb
@@ -73,6 +74,8 @@ class WorkerRecord:
     http_url: str
     kv_endpoint: str = ""
     draft_endpoint: str = ""
+    # the CURVE public key of its data planes (Hello.plane_key; "": none, e.g. an agentless SGLang server)
+    plane_key: str = ""
     model: str = ""
     tp: int = 0  # tensor parallelism (0: not reported)
     pid: int = 0
@@ -110,6 +113,13 @@ class WorkerRecord:
     inflight: int = 0
     attached_at: float = 0.0
     failed_at: float | None = None
+    failed_by_silence: bool = False  # FAILED by the detector (not a broken stream): maybe hung
+    # when it became FAILED or REMOVED (the record expires `record_retention_s` later)
+    ended_at: float | None = None
+    # failure detection by silence (core/detector.py): this worker's heartbeat history and the probe
+    # of its current silence; `probe_gen` tells a probe's answer from an answer to an older one
+    detector: HeartbeatDetector | None = None
+    probe_gen: int = 0
     # time per output token the gateway measures on this incarnation's streams (EWMA), and when
     # it was last updated; DEGRADED since when (gray failures, core/gray.py)
     per_token_s: float = 0.0

@@ -90,9 +90,11 @@ class SGLangPoller:
         self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            # bounded: a poll inside the HTTP client ends by its own deadline at the latest
+            _, late = await asyncio.wait(self._tasks, timeout=2 * self.interval_s * self.misses + 1.0)
+            for task in late:
+                log.warning("sglang_watcher_slow_to_stop", task=task.get_name())
         self._tasks.clear()
 
     # -- one server ------------------------------------------------------------------------------
@@ -174,10 +176,13 @@ class SGLangPoller:
             raise TimeoutError("poll cancelled inside the HTTP client") from None
 
     async def _fetch(self, t: SGLangTarget) -> SGLangLoads:
-        async with self.http.get(t.url + "/ready") as ready:
+        # the HTTP client's own deadline too: a cancellation lost inside it cannot keep a poll
+        # (and stop()) waiting on a server that never answers
+        timeout = aiohttp.ClientTimeout(total=self.interval_s * self.misses)
+        async with self.http.get(t.url + "/ready", timeout=timeout) as ready:
             if ready.status != 200:
                 raise _Unready()
-        async with self.http.get(t.url + "/v1/loads?include=core") as loads:
+        async with self.http.get(t.url + "/v1/loads?include=core", timeout=timeout) as loads:
             loads.raise_for_status()
             return msgspec.json.decode(await loads.read(), type=SGLangLoads)
 

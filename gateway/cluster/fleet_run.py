@@ -1,0 +1,88 @@
+"""Foreground runner for `lumen cluster up` with Lumen's workers: supervisor, N gateways, W workers.
+
+The ready line (one JSON object on stdout) gives the first gateway's `url` and `control_port` as
+before, every gateway's in `urls` / `control_ports` / `gateway_pids`, and the first gateway's start on
+`time.monotonic()` (`started_at_monotonic`, the clock of its /admin/events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from gateway.cluster.fleet import GatewayFleet, healthy_everywhere, publish_cluster_token, with_cluster_token
+from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
+from gateway.config import Config
+from gateway.server.api.tokenizer import make_tokenizer
+from gateway.server.runner import announce, stop_event
+
+log = structlog.get_logger("lumen.runner")
+
+
+async def run_fleet(
+    config: Config,
+    config_args: list[str],
+    *,
+    gateways: int = 1,
+    shared_port: bool = False,
+    log_dir: Path | None = None,
+    ready_timeout_s: float = 60.0,
+) -> None:
+    stop = stop_event()
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="lumen-cluster-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    config = with_cluster_token(config)
+    fleet = GatewayFleet(
+        config, config_args, gateways=gateways, port=config.gateway.port, shared_port=shared_port, log_dir=logs
+    )
+    token_file = publish_cluster_token(config, fleet.gateways[0].control_port)
+    cluster: LocalCluster | None = None
+    try:
+        await fleet.start()
+        first, *more = fleet.control_addresses
+        tokens = synthetic_token_range(config.tokenizer.kind, make_tokenizer(config.tokenizer).vocab_size)
+        specs = [
+            msgspec.structs.replace(s, more_control_addresses=more) for s in worker_specs(config, first, tokens)
+        ]
+        cluster = LocalCluster(
+            specs,
+            log_dir=logs,
+            restart_killed=config.cluster.restart_killed,
+            hung_restart_grace_s=config.cluster.hung_restart_grace_s,
+        )
+        await cluster.start()
+        watcher = asyncio.create_task(cluster.follow_gateways(fleet.urls(), stop), name="hung-workers")
+        urls = fleet.urls()
+        ready = await healthy_everywhere(urls, len(specs), ready_timeout_s, stop)
+        if not ready:
+            log.error("cluster_not_ready", want=len(specs), logs=str(logs))
+        g0 = fleet.gateways[0]
+        announce(
+            {
+                "event": "ready" if ready else "degraded",
+                "url": urls[0],
+                "urls": urls,
+                "control_port": g0.control_port,
+                "control_ports": [g.control_port for g in fleet.gateways],
+                "gateway_pids": [g.proc.pid if g.proc else 0 for g in fleet.gateways],
+                "workers": len(specs),
+                "healthy_workers": len(specs) if ready else 0,
+                "gateways": gateways,
+                "mode": config.recovery.mode,
+                "engine": "lumen",
+                "logs": str(logs),
+                "started_at_monotonic": g0.ready.get("started_at_monotonic", 0.0),
+            }
+        )
+        await stop.wait()
+        watcher.cancel()
+    finally:
+        log.info("cluster_stopping")
+        await fleet.stop(config.timeouts.shutdown_grace_s)
+        if cluster is not None:
+            await cluster.stop(config.timeouts.shutdown_grace_s)
+        token_file.unlink(missing_ok=True)

@@ -1,0 +1,144 @@
+"""Resumable streams on the client API: an SSE `id:` on every event, and `Last-Event-ID` honoured.
+
+Each event's id is the stream's position after it (gateway/protocol/streamid.py): per choice the
+output ids the client's text covers, whether it ended, its seed base and the worker attempt serving
+it. A client whose stream broke re-sends the same body with `Last-Event-ID` to any gateway of the
+cluster; the handler rebuilds the request's choices from the position — same response id and
+`created`, same seeds, each choice told what the client has (`Resumed`) and which attempt to adopt —
+and `respond` writes only what comes after. Seeds are drawn here for every streamed choice without
+one, so a replay on any gateway samples the same tokens.
+
+Only the id of the last event of a step carries the step's position (a break between two events of
+one step then repeats the first, a chat role chunk, rather than losing the second).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from gateway.protocol.streamid import (
+    STREAM_ID_VERSION,
+    ChoicePosition,
+    StreamIdError,
+    StreamPosition,
+    caller_digest,
+    decode_position,
+    encode_position,
+    request_digest,
+)
+from gateway.server.api.errors import InvalidRequest
+from gateway.server.api.generation import Generation, Resumed, Step
+from gateway.server.api.jobs import Attempt
+
+LAST_EVENT_ID = "Last-Event-ID"
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """A checked Last-Event-ID: what the resumed response must reproduce and skip."""
+
+    position: StreamPosition
+
+    @property
+    def rid(self) -> str:
+        return self.position.rid
+
+    @property
+    def created(self) -> int:
+        return self.position.created
+
+    def seed(self, index: int) -> int:
+        return self.position.choices[index].seed
+
+    def resumed(self, index: int) -> Resumed:
+        c = self.position.choices[index]
+        return Resumed(sent=c.sent, done=c.done, cached_tokens=self.position.cached if index == 0 else 0)
+
+    def adopt(self, index: int) -> Attempt | None:
+        c = self.position.choices[index]
+        return Attempt(c.worker, c.wrid, c.epoch) if c.worker and not c.done else None
+
+
+def resume_point(
+    header: str | None, key: bytes, body: dict[str, object], caller: str, n: int, stream: bool
+) -> ResumePoint | None:
+    """The request's resume point, or None for a fresh request. A Last-Event-ID that is forged, from
+    another cluster, request or caller, or on a request that does not stream, is a 400."""
+    if header is None:
+        return None
+    if not stream:
+        raise InvalidRequest(f"{LAST_EVENT_ID} resumes a stream: the request must have stream: true", param=LAST_EVENT_ID)
+    try:
+        pos = decode_position(key, header, request=request_digest(body), caller=caller_digest(caller))
+    except StreamIdError as exc:
+        raise InvalidRequest(str(exc), param=LAST_EVENT_ID, code="invalid_last_event_id") from exc
+    if len(pos.choices) != n:
+        raise InvalidRequest(f"{LAST_EVENT_ID} has {len(pos.choices)} choices, the request {n}", param=LAST_EVENT_ID)
+    return ResumePoint(pos)
+
+
+def draw_seed() -> int:
+    return secrets.randbits(63)
+
+
+class StreamIds:
+    """Positions for one streamed response, event by event."""
+
+    def __init__(
+        self,
+        key: bytes,
+        body: dict[str, object],
+        caller: str,
+        rid: str,
+        created: int,
+        gens: list[Generation],
+        resumed: ResumePoint | None = None,
+    ) -> None:
+        self._key = key
+        self._request = request_digest(body)
+        self._caller = caller_digest(caller)
+        self._rid, self._created = rid, created
+        self._seeds = [g.job.sampling.seed or 0 for g in gens]
+        self._gens = gens
+        p = resumed.position if resumed is not None else None
+        self.sent = [c.sent for c in p.choices] if p else [0] * len(gens)
+        self.done = [c.done for c in p.choices] if p else [False] * len(gens)
+        self._at: list[Attempt | None] = [
+            Attempt(c.worker, c.wrid, c.epoch) if c.worker else None for c in p.choices
+        ] if p else [None] * len(gens)  # fmt: skip
+        self.closed = p.closed if p else False
+
+    def step(self, index: int, step: Step) -> None:
+        """Count a step whose events were written (replayed steps were counted before the break)."""
+        if step.replay:
+            return
+        self.sent[index] += len(step.ids)
+        if step.finish is not None:
+            self.done[index] = True
+        if step.attempt is not None:
+            self._at[index] = step.attempt
+
+    def position(self, *, closed: bool = False) -> str:
+        choices = tuple(
+            ChoicePosition(
+                sent=self.sent[i],
+                seed=self._seeds[i],
+                done=self.done[i],
+                worker=a.worker_id if a else "",
+                wrid=a.wrid if a else "",
+                epoch=a.epoch if a else 0,
+            )
+            for i, a in enumerate(self._at)
+        )
+        pos = StreamPosition(
+            STREAM_ID_VERSION,
+            self._rid,
+            self._created,
+            self._request,
+            self._caller,
+            choices,
+            closed=closed,
+            cached=self._gens[0].cached_tokens,
+        )
+        return encode_position(self._key, pos)

@@ -1,0 +1,79 @@
+"""A gateway killed -9 mid-stream loses nothing (issue 16): `lumen cluster up --gateways 2`, 16 streams on
+gateway 0, gateway 0 killed; every client re-sends its request to gateway 1 with `Last-Event-ID` and its
+text equals the no-failure text. The requests whose worker is alive are adopted there (not recomputed);
+with a worker killed at the same moment, its requests are replayed and still exact. The supervisor
+restarts the killed gateway, and the workers kept serving meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from loadtests.client import RequestResult, stream_completion
+from loadtests.cluster_proc import ClusterProcess
+from tests.e2e.conftest import E2E_OVERRIDES, admin, assert_exact, make_requests
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (not want or f"{{{want}}}" in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def drive_and_kill(c: ClusterProcess, reqs: list[RequestResult], kill_worker: bool) -> dict[str, Any]:
+    urls = c.ready["urls"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+        tasks = [
+            asyncio.create_task(stream_completion(http, urls[0], "lumen-synthetic", r, resume_urls=[urls[1]]))
+            for r in reqs
+        ]
+        async with asyncio.timeout(60):  # mid-stream: every client has some text
+            while not all(len(r.chunk_times) >= 5 for r in reqs):
+                await asyncio.sleep(0.02)
+        victim = None
+        if kill_worker:  # the busiest worker, at the same moment, through the surviving gateway
+            ws = await admin(urls[1], "GET", "/admin/workers")
+            victim = max(ws, key=lambda w: w["running"])["id"]
+        os.kill(c.ready["gateway_pids"][0], signal.SIGKILL)
+        if victim is not None:
+            await admin(urls[1], "POST", f"/admin/workers/{victim}/kill?mode=kill")
+        await asyncio.gather(*tasks)
+        async with http.get(urls[1] + "/metrics") as resp:
+            metrics = await resp.text()
+        # the supervisor brings gateway 0 back on its port; the workers re-attach to it
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    async with http.get(urls[0] + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+    return {"metrics": metrics, "victim": victim}
+
+
+@pytest.mark.parametrize("kill_worker", [False, True], ids=["gateway", "gateway+worker"])
+def test_a_gateway_killed_mid_stream_loses_no_token(tmp_path: Path, kill_worker: bool) -> None:
+    reqs = make_requests(16, seed=16, min_out=150, max_out=220)
+    overrides = {**E2E_OVERRIDES, "recovery.mode": "lumen"}
+    with ClusterProcess(workers=3, gateways=2, overrides=overrides, log_dir=tmp_path) as c:
+        out = asyncio.run(drive_and_kill(c, reqs, kill_worker))
+    assert_exact(reqs)
+    assert all(r.resumes == 1 for r in reqs), [r.resumes for r in reqs]
+    adopted = metric(out["metrics"], "lumen_stream_resumes_total", how="adopt")
+    replayed = metric(out["metrics"], "lumen_stream_resumes_total", how="replay")
+    assert adopted + replayed == len(reqs)
+    if kill_worker:
+        assert replayed >= 1 and adopted >= 1  # the dead worker's requests recomputed, the rest adopted
+    else:
+        assert adopted == len(reqs)  # every worker alive: every request taken over where it ran
