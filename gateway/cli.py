@@ -207,7 +207,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from gateway.protocol.launch import EngineSpec, worker_env
     from gateway.protocol.secrets import SecretError, resolve_token
 
-    port = args.control.rpartition(":")[2]
+    port = args.control[0].rpartition(":")[2]
     try:
         token = resolve_token(dict(os.environ), int(port) if port.isdigit() else None)
     except SecretError as exc:
@@ -222,7 +222,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     spec = EngineSpec(
         worker_id=args.id,
-        control_address=args.control,
+        control_address=args.control[0],
+        more_control_addresses=args.control[1:],
         port=args.port,
         model=args.model,
         gpu=args.gpu,
@@ -300,7 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
         "worker", help="run one Lumen worker (synthetic or torch backend) attached to a gateway"
     )
     p.add_argument("--id", required=True)
-    p.add_argument("--control", required=True, help="gateway control plane host:port")
+    p.add_argument(
+        "--control",
+        required=True,
+        action="append",
+        help="gateway control plane host:port (repeat it for each gateway of the cluster)",
+    )
     p.add_argument(
         "--control-ca", default="", help="PEM the control plane's TLS certificate chains to (LUMEN_CONTROL_CA)"
     )

@@ -6,9 +6,11 @@
     --fault slow:w1@5x4               every engine step of w1 takes 4x its time from 5 s on
     --fault slow:top-holder@5:factor=4:duration=10
                                       the worker holding most checkpoint tokens, normal again at 15 s
+    --fault kill-gateway:0@12         kill -9 gateway 0 of a cluster up with --gateways N; clients
+                                      resume their streams on another gateway (Last-Event-ID)
 
-Grammar: `KIND:TARGET@SECONDS[xFACTOR][+DURATION][:factor=F][:duration=D]`. KIND is kill, hang, stall
-or slow; only hang, stall and slow can be undone after DURATION (resume, unstall, normal speed): a
+Grammar: `KIND:TARGET@SECONDS[xFACTOR][+DURATION][:factor=F][:duration=D]`. KIND is kill, hang, stall,
+slow or kill-gateway (TARGET: a gateway's index; its supervisor restarts it); only hang, stall and slow can be undone after DURATION (resume, unstall, normal speed): a
 killed worker is restarted by the supervisor. FACTOR is slow's step-time multiplier (default
 `DEFAULT_SLOWDOWN`, the simulator's). TARGET is a worker id or a selector resolved when the fault
 fires, from one `GET /admin/workers` snapshot per instant:
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import re
+import signal
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +44,9 @@ from gateway.protocol.faults import SLOWDOWN_RANGE
 
 log = structlog.get_logger("lumen.faults")
 
-FaultKind = Literal["kill", "hang", "stall", "slow"]
-KINDS: tuple[FaultKind, ...] = ("kill", "hang", "stall", "slow")
+FaultKind = Literal["kill", "hang", "stall", "slow", "kill-gateway"]
+KINDS: tuple[FaultKind, ...] = ("kill", "hang", "stall", "slow", "kill-gateway")
+GATEWAY_KINDS = ("kill-gateway",)  # their target is a gateway's index, not a worker
 # the admin mode that undoes each kind after its duration (kill has none)
 UNDO: Mapping[str, str] = {"hang": "resume", "stall": "unstall", "slow": "normal"}
 SELECTORS = ("random", "busiest", "top-holder")
@@ -102,7 +107,10 @@ def parse_fault(spec: str) -> FaultEvent:
     target, at_sign, when = where.partition("@")
     if not at_sign:
         raise bad("no @SECONDS after the target")
-    if target not in SELECTORS and not _WORKER_ID.fullmatch(target):
+    if kind in GATEWAY_KINDS:
+        if not target.isdigit():
+            raise bad(f"{kind} takes a gateway's index (0, 1, ...), not {target!r}")
+    elif target not in SELECTORS and not _WORKER_ID.fullmatch(target):
         raise bad(f"target {target!r} is neither a worker id nor one of {', '.join(SELECTORS)}")
     m = _WHEN.fullmatch(when)
     if m is None:
@@ -166,7 +174,7 @@ class FaultSchedule:
         ordered = tuple(sorted(events, key=lambda e: e.at))
         seen: dict[tuple[float, str], FaultEvent] = {}
         for e in ordered:
-            if e.target in SELECTORS:
+            if e.target in SELECTORS or e.kind in GATEWAY_KINDS:
                 continue
             other = seen.setdefault((e.at, e.target), e)
             if other is not e:
@@ -196,6 +204,8 @@ class FaultSchedule:
     def check_workers(self, worker_ids: Collection[str]) -> None:
         """Every explicit target must be a worker of the cluster the schedule runs against."""
         for e in self.events:
+            if e.kind in GATEWAY_KINDS:
+                continue
             if e.target not in SELECTORS and e.target not in worker_ids:
                 raise FaultSpecError(
                     f"fault spec {e.spec or str(e)!r}: no worker {e.target!r} in this cluster "
@@ -210,11 +220,11 @@ def resolve_group(
     HEALTHY worker left for a selector). Explicit ids first, then busiest/top-holder, then random;
     a selector never picks a worker this instant already strikes. `rng` is drawn only by `random`."""
     by_id = sorted(workers, key=lambda w: str(w["id"]))
-    taken = {e.target for e in events if e.target not in SELECTORS}
+    taken = {e.target for e in events if e.target not in SELECTORS and e.kind not in GATEWAY_KINDS}
     out: list[str | None] = [None] * len(events)
     for i in sorted(range(len(events)), key=lambda i: _RANK.get(events[i].target, 0)):
         target = events[i].target
-        if target not in SELECTORS:
+        if target not in SELECTORS or events[i].kind in GATEWAY_KINDS:
             out[i] = target
             continue
         free = [w for w in by_id if w.get("state") == "HEALTHY" and w["id"] not in taken]
@@ -255,9 +265,13 @@ class FaultRunner:
         seed: int,
         t0: float,
         headers: Mapping[str, str] | None = None,
+        gateway_urls: Sequence[str] = (),
     ) -> None:
+        """`gateway_urls`: every gateway of the cluster (kill-gateway targets index them; snapshots
+        come from the first that answers)."""
         self.http = http
         self.url = url
+        self.gateway_urls = list(gateway_urls) or [url]
         self.schedule = schedule
         self.rng = random.Random(seed)
         self.t0 = t0
@@ -274,9 +288,7 @@ class FaultRunner:
             for at, group in self.schedule.groups():
                 await asyncio.sleep(max(0.0, at - self.now()))
                 try:
-                    async with self.http.get(f"{self.url}/admin/workers", headers=self.headers) as resp:
-                        resp.raise_for_status()
-                        workers: list[dict[str, Any]] = await resp.json()
+                    workers = await self._workers()
                 except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                     for e in group:
                         await self._fire(e, e.kind, None, None, error=f"GET /admin/workers failed: {exc!r}")
@@ -294,6 +306,28 @@ class FaultRunner:
             for task in undos:
                 task.cancel()
             await asyncio.gather(*undos, return_exceptions=True)
+
+    async def _workers(self) -> list[dict[str, Any]]:
+        """/admin/workers from the first gateway that answers (one may have been killed)."""
+        error: Exception | None = None
+        for url in dict.fromkeys([self.url, *self.gateway_urls]):
+            try:
+                async with self.http.get(f"{url}/admin/workers", headers=self.headers) as resp:
+                    resp.raise_for_status()
+                    return list(await resp.json())
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+    async def _kill_gateway(self, index: int) -> dict[str, Any]:
+        """kill -9 the gateway process at `gateway_urls[index]` (its pid from /admin/gateway)."""
+        url = self.gateway_urls[index]
+        async with self.http.get(f"{url}/admin/gateway", headers=self.headers) as resp:
+            resp.raise_for_status()
+            info = await resp.json()
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        return {"at": info.get("now")}
 
     async def _undo(self, e: FaultEvent, worker: str) -> None:
         assert e.duration is not None and e.undo_mode is not None
@@ -329,6 +363,15 @@ class FaultRunner:
         self.fired.append(rec)
         if worker is None:
             rec["error"] = error
+        elif e.kind in GATEWAY_KINDS:
+            try:
+                index = int(worker)
+                if index >= len(self.gateway_urls):
+                    raise ValueError(f"no gateway {index}: the cluster has {len(self.gateway_urls)}")
+                rec["at"] = (await self._kill_gateway(index))["at"]
+                rec["ok"] = True
+            except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"
         else:
             query = f"mode={mode}" + (f"&factor={factor!r}" if factor is not None else "")
             try:

@@ -38,7 +38,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Final, Protocol
@@ -339,6 +339,28 @@ class RefusalLog:
 HANDSHAKE_FAILURES: Final = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
+MONITOR_POLL_MS: Final = 250
+
+
+async def _monitor_events(mon: zmq.asyncio.Socket) -> AsyncIterator[dict[str, Any]]:
+    """The events of a ZMQ socket monitor. The monitor is read without blocking after each wake-up
+    *and* every MONITOR_POLL_MS: a lone event can fail to wake an asyncio reader (zmq's edge-triggered
+    notifications), and one lost event would mean a refused handshake never counted or retried."""
+    while True:
+        with contextlib.suppress(zmq.Again):
+            await mon.poll(MONITOR_POLL_MS)
+        while True:
+            try:
+                frames = await mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                ev = dict(parse_monitor_message(frames))
+            except (ValueError, KeyError):
+                continue
+            yield ev
+
+
 class HandshakeWatch:
     """Counts and logs the failed handshakes on one CURVE server socket (its monitor), on its loop:
     what a plaintext attacker's connection amounts to, since nothing of it reaches the application."""
@@ -347,7 +369,8 @@ class HandshakeWatch:
         self.failed = 0
         self._sock = sock
         self._log = RefusalLog(f"{plane}_handshake_failed")
-        self._mon: zmq.asyncio.Socket | None = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+        # every event, filtered here: with a mask of only the failures libzmq was seen to deliver none
+        self._mon: zmq.asyncio.Socket | None = sock.get_monitor_socket(zmq.EVENT_ALL)
         self._task: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
             self._run(), name=f"lumen-{plane}-handshakes"
         )
@@ -355,22 +378,20 @@ class HandshakeWatch:
     async def _run(self) -> None:
         mon = self._mon
         assert mon is not None
-        while True:
-            try:
-                frames = await mon.recv_multipart()
-                ev = parse_monitor_message(frames)
-            except zmq.Again:
-                continue
-            except (zmq.ZMQError, ValueError, KeyError):
-                return
-            self.failed += 1
-            event, value = ev.get("event"), ev.get("value")
-            self._log(
-                getattr(event, "name", str(event)),
-                None,
-                detail=getattr(value, "name", str(value)),
-                endpoint=str(ev.get("endpoint", b""), "ascii", "replace"),
-            )
+        with contextlib.suppress(zmq.ZMQError):
+            async for ev in _monitor_events(mon):
+                if ev.get("event", 0) & HANDSHAKE_FAILURES:
+                    self._failed(ev)
+
+    def _failed(self, ev: dict[str, Any]) -> None:
+        self.failed += 1
+        event, value = ev.get("event"), ev.get("value")
+        self._log(
+            getattr(event, "name", str(event)),
+            None,
+            detail=getattr(value, "name", str(value)),
+            endpoint=str(ev.get("endpoint", b""), "ascii", "replace"),
+        )
 
     async def close(self) -> None:
         """Stop watching; call before the socket closes."""
@@ -396,8 +417,7 @@ class RetryRefused:
         self.sock, self.endpoint = sock, endpoint
         self.first_s, self.max_s = first_s, max_s
         self.retries = 0
-        events = HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        self._mon: zmq.asyncio.Socket | None = sock.get_monitor_socket(events)
+        self._mon: zmq.asyncio.Socket | None = sock.get_monitor_socket(zmq.EVENT_ALL)  # filtered below
         self._task: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
             self._run(), name=f"lumen-plane-retry {endpoint}"
         )
@@ -406,23 +426,20 @@ class RetryRefused:
         mon = self._mon
         assert mon is not None
         backoff = self.first_s
-        while True:
-            try:
-                ev = parse_monitor_message(await mon.recv_multipart())
-            except zmq.Again:
-                continue
-            except (zmq.ZMQError, ValueError, KeyError):
-                return
-            if ev.get("event") == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                backoff = self.first_s
-                continue
-            await asyncio.sleep(backoff)
-            backoff = min(self.max_s, 2 * backoff)
-            self.retries += 1
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.disconnect(self.endpoint)
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.connect(self.endpoint)
+        with contextlib.suppress(zmq.ZMQError):
+            async for ev in _monitor_events(mon):
+                event = ev.get("event", 0)
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    backoff = self.first_s
+                if not event & HANDSHAKE_FAILURES:
+                    continue
+                await asyncio.sleep(backoff)
+                backoff = min(self.max_s, 2 * backoff)
+                self.retries += 1
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.disconnect(self.endpoint)
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.connect(self.endpoint)
 
     def stop(self) -> None:
         """Stop now (from sync code); call before the socket closes."""

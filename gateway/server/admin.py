@@ -4,6 +4,7 @@ pairs, and fault injection on local clusters."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Awaitable
 from typing import Protocol
@@ -41,6 +42,7 @@ class Administered(Protocol):
     load_params: LoadParams
     fault_injector: FaultInjector | None
     started_at: float
+    http_port: int
 
     @property
     def http(self) -> aiohttp.ClientSession | None: ...
@@ -56,6 +58,14 @@ class AdminAPI:
         app.router.add_get("/admin/events", self.events)
         app.router.add_get("/admin/sessions", self.sessions)
         app.router.add_get("/admin/assist", self.assist)
+        app.router.add_get("/admin/gateway", self.gateway)
+
+    async def gateway(self, request: web.Request) -> web.Response:
+        """This gateway process: its pid (for a local cluster's kill-gateway fault) and clock."""
+        require_admin(request, self.gw.config.gateway.admin_api_keys)
+        return web.json_response(
+            {"pid": os.getpid(), "now": round(time.monotonic() - self.gw.started_at, 4), "http_port": self.gw.http_port}
+        )
 
     async def workers(self, request: web.Request) -> web.Response:
         require_admin(request, self.gw.config.gateway.admin_api_keys)
@@ -77,6 +87,7 @@ class AdminAPI:
                     "kv_capacity_tokens": w.kv_capacity_tokens,
                     "completed_total": w.completed_total,
                     "ckpt_bytes": w.ckpt_bytes,
+                    "ckpt_budget_bytes": w.ckpt_budget_bytes,
                     "ckpt_tokens": w.ckpt_tokens,
                     "ckpt_bytes_sent_total": w.ckpt_bytes_sent_total,
                     "ckpt_pages_evicted_total": w.ckpt_pages_evicted_total,

@@ -18,12 +18,10 @@ its worker by rid, since a dropped connection alone no longer does.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
@@ -45,72 +43,22 @@ from gateway.protocol.generate import (
     LumenExt,
     SamplingParams,
     TokenLogprob,
-    encode,
     token_logprobs,
 )
-from gateway.protocol.sglang import SGLangAbort, SGLangGenerate, sglang_rid, to_sglang
+from gateway.protocol.sglang import SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
 from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
+from gateway.server.session_records import Interruption, Session
+from gateway.server.workers.aborts import Aborts
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.sessions")
 
-ABORT_TIMEOUT_S = 2.0
-
-
-@dataclass(slots=True)
-class Interruption:
-    worker_id: str
-    incarnation: int
-    reason: str
-    at: float
-    emitted_before: int
-    # the last token the client got before the failure (or the arrival, if none yet)
-    last_token_before: float
-    resumed_on: str | None = None
-    resumed_at: float | None = None  # first token after the failure
-    action: str = "replay"  # how dispatch resumed it: restore (on a holder) or replay
-    dispatch_reason: str = ""
-    restored_tokens: int = 0  # prefix the resuming worker restored from its checkpoint store
-
-    @property
-    def resume_delay(self) -> float | None:
-        return None if self.resumed_at is None else self.resumed_at - self.last_token_before
-
-
-@dataclass(slots=True)
-class Session:
-    job: GenerateJob
-    seed_base: int
-    arrived: float
-    emitted: list[int] = field(default_factory=list)
-    worker_id: str | None = None
-    incarnation: int = 0
-    attempts: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    interruptions: list[Interruption] = field(default_factory=list)
-    finish_reason: str | None = None
-    # a resumed stream: "adopt" (taken over on its worker), "replay" (recomputed), "" (not resumed)
-    resumed_by: str = ""
-
-    @property
-    def remaining(self) -> int:
-        return self.job.sampling.max_new_tokens - len(self.emitted)
-
-    def finished_by_tokens(self) -> str | None:
-        """Whether the emitted tokens already complete the request (a failure after the last token)."""
-        s = self.job.sampling
-        if self.emitted and not s.ignore_eos and self.emitted[-1] in s.stop_token_ids:
-            return "stop"
-        if self.remaining <= 0:
-            return "length"
-        return None
 
 
 class SessionManager:
@@ -157,7 +105,7 @@ class SessionManager:
         )
         self.verifier = verifier  # draft assist on SGLang targets (gateway-level verification)
         self.live: dict[str, Session] = {}
-        self._aborts: set[asyncio.Task[None]] = set()  # /abort_request calls in flight
+        self._aborts = Aborts(http)  # /abort_request calls in flight
         # recently finished sessions with interruptions, for /admin/sessions and the demo
         self.recent_interrupted: deque[Session] = deque(maxlen=2000)
 
@@ -445,26 +393,9 @@ class SessionManager:
             raise WorkerLost(f"worker {worker.id} sent bad logprobs: {exc}", worker_error=True) from exc
 
     def _abort_on(self, worker: WorkerRecord, rid: str) -> None:
-        """Ask a worker to drop `rid` (the client left, or the request moved elsewhere). Best effort,
-        in the background: a dead worker needs no abort."""
-        if worker.state not in ALIVE_STATES:
-            return
-        task = asyncio.get_running_loop().create_task(self._post_abort(worker.http_url, rid))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-
-    async def _post_abort(self, url: str, rid: str) -> None:
-        try:
-            async with self.http.post(
-                url.rstrip("/") + "/abort_request",
-                data=encode(SGLangAbort(rid=rid)),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S),
-            ) as resp:
-                if resp.status != 200:
-                    log.warning("abort_refused", url=url, rid=rid, status=resp.status)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.info("abort_failed", url=url, rid=rid, error=repr(exc))
+        """Ask a worker to drop `rid` (the client left, or the request moved elsewhere)."""
+        if worker.state in ALIVE_STATES:  # a dead worker needs no abort
+            self._aborts.post(worker.http_url, rid)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, restored: int) -> float:

@@ -4,7 +4,8 @@
 - measure.py: the cluster and SMG, every path at every rate, CPU accounting, the per-path rows;
 - drive.py: the open-loop request mix and the clients of each path;
 - smg_process.py: SMG found or installed, launched in front of the workers, probed;
-- report.py: the Markdown tables.
+- report.py: the Markdown tables;
+- plots.py: the PNG (achieved rate and TTFT p99 per path and offered rate).
 """
 
 from loadtests.bench_smg.cli import main

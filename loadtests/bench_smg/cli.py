@@ -18,12 +18,19 @@ open-loop request mix (Poisson arrivals at each rate, seeded prompt/output lengt
 - `smg_gen`: SMG's `/generate` (token ids). SMG forwards it to the worker's `/generate` with SGLang's
   extra fields and no `rid`, which the worker accepts since a63793f; baseline `direct`.
 
+With `--lumen-gateways 1,2` Lumen is measured twice, side by side with the rest: `lumen`/`lumen_gen`
+(one gateway process) and `lumen_x2`/`lumen_gen_x2` (a second cluster, `lumen cluster up --gateways 2
+--shared-port`: two gateway processes accepting on one port with SO_REUSEPORT, its own workers of the
+same configuration; direct and SMG use the first cluster's workers). Each step's progress line gives the
+achieved rate, TTFT p99, and how many cores the machine and the gateway kept busy.
+
 SMG's paths are probed first (one tiny streamed request each); a path that fails is not measured and
 the probe's reply is recorded. Paths alternate (rotating order per rate and repeat) so they share
 machine state. Reported per path and rate: TTFT and TPOT p50/p99, added latency vs the path's
 baseline, errors, offered and achieved rate, and gateway CPU seconds per 1,000 requests (from /proc:
 the cluster process for Lumen, the SMG process), raw and net of the process's idle CPU rate measured
-while other paths ran. The tables go to stdout and to `--out` with the suffix `.md`.
+while other paths ran. The tables go to stdout and to `--out` with the suffix `.md`, the plot (achieved
+rate and TTFT p99 against the offered rate, per path) to `--plot` or beside `--out` as `.png`.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_smg.measure import run
+from loadtests.bench_smg.measure import gateway_counts, run
+from loadtests.bench_smg.plots import plot_rates
 from loadtests.bench_smg.report import tables
 
 
@@ -75,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip `smg_gen` (SMG's /generate passthrough)",
     )
+    ap.add_argument(
+        "--lumen-gateways",
+        default="1",
+        help="Lumen gateway processes, one cluster per entry (e.g. 1,2): 1 is `lumen`/`lumen_gen`; "
+        "N > 1 is `lumen_xN`/`lumen_gen_xN`, N gateways accepting on one port (`--shared-port`)",
+    )
     ap.add_argument("--no-smg", dest="smg", action="store_false")
     ap.add_argument("--no-install", action="store_true", help="do not pip install smg when missing")
     ap.add_argument("--seed", type=int, default=11)
@@ -88,7 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out", default="out/bench_smg.json", help="the JSON report; the tables go beside it as .md"
     )
+    ap.add_argument(
+        "--plot", default="", help="the PNG of achieved rate and TTFT p99 per path (default: beside --out)"
+    )
     args = ap.parse_args(argv)
+    try:
+        gateway_counts(args.lumen_gateways)
+    except ValueError as exc:
+        ap.error(str(exc))
     report: dict[str, Any] = {
         "command": "python -m loadtests.bench_smg " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores py{platform.python_version()}",
@@ -106,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}", file=sys.stderr)
     md = tables(report)
     Path(args.out).with_suffix(".md").write_text(md)
+    png = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+    if plot_rates(report, png):
+        print(f"wrote {png}", file=sys.stderr)
     print(md)
     return 0
 

@@ -46,6 +46,7 @@ class Target:
     string_prompt: bool = False
     pids: dict[str, int] = field(default_factory=dict)  # whose CPU is this path's gateway CPU
     baseline: str = "direct"
+    api_key: str = ""  # the bearer to send (Lumen's workers take only their cluster's)
 
 
 def workload(rate: float, seconds: float, min_requests: int, seed: int) -> list[Shape]:
@@ -67,13 +68,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 # -- clients --------------------------------------------------------------------------------------
-async def _generate(http: aiohttp.ClientSession, url: str, body: dict[str, Any], s: Sample) -> None:
+async def _generate(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], s: Sample, api_key: str = ""
+) -> None:
     s.sent = time.monotonic()
     first = last = 0.0
     finish: Any = None
     done_marker = False
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        async with http.post(url + "/generate", json=body) as resp:
+        async with http.post(url + "/generate", json=body, headers=headers) as resp:
             if resp.status != 200:
                 s.error = f"{resp.status}: {(await resp.text())[:200]}"
                 return
@@ -124,13 +128,13 @@ async def _one(http: aiohttp.ClientSession, t: Target, i: int, shape: Shape, s: 
             },
             "stream": True,
         }
-        await _generate(http, url, body, s)
+        await _generate(http, url, body, s, t.api_key)
         s.done = time.monotonic()
         return
     r = RequestResult(i, 0.0, shape.prompt_ids, shape.output_tokens, 0.0, None)
     if t.string_prompt:  # SMG's completions take text only; ids 32..126 are printable ASCII bytes
         r.prompt_ids = "".join(map(chr, shape.prompt_ids))  # type: ignore[assignment]
-    await stream_completion(http, url, t.model, r)
+    await stream_completion(http, url, t.model, r, t.api_key or None)
     s.done, s.sent = time.monotonic(), r.arrival
     s.tokens = r.completion_tokens
     if not r.ok:

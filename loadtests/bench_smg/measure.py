@@ -5,7 +5,9 @@ rows: percentiles, added latency vs the path's baseline, CPU per 1,000 requests,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 import tomllib
@@ -15,9 +17,21 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from gateway.protocol.secrets import TOKEN_ENV, generate_token, worker_http_bearer
 from loadtests.bench_smg.drive import Sample, Target, cpu_seconds, drive, workload
+from loadtests.bench_smg.report import sustained
 from loadtests.bench_smg.smg_process import Smg, probe, smg_binary
 from loadtests.cluster_proc import ClusterProcess
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs from /proc/stat (busy: all but idle and iowait)."""
+    f = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1f} ms"
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -56,8 +70,28 @@ def summarize(runs: list[tuple[list[Sample], float]], rate: float) -> dict[str, 
     }
 
 
+def lumen_names(n: int) -> tuple[str, str]:
+    """The Lumen paths of the n-gateway cluster: `/v1/completions` and `/generate` (unsuffixed for one)."""
+    return ("lumen", "lumen_gen") if n == 1 else (f"lumen_x{n}", f"lumen_gen_x{n}")
+
+
+def gateway_counts(spec: str) -> list[int]:
+    """`--lumen-gateways 1,2` → [1, 2]: one Lumen cluster per entry, in that order, no repeats."""
+    out: list[int] = []
+    for x in spec.split(","):
+        n = int(x)
+        if n < 1:
+            raise ValueError(f"--lumen-gateways: {n} is not a gateway count")
+        if n not in out:
+            out.append(n)
+    if not out:
+        raise ValueError("--lumen-gateways: no gateway count")
+    return out
+
+
 async def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     rates = [float(x) for x in args.rates.split(",")]
+    counts = gateway_counts(args.lumen_gateways)
     overrides: dict[str, Any] = {"engine.time_scale": args.time_scale, "gateway.log_level": "warning"}
     for kv in args.set:
         key, _, value = kv.partition("=")
@@ -67,45 +101,74 @@ async def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     exe, smg_info = smg_binary(not args.no_install) if args.smg else (None, "skipped (--no-smg)")
     report["smg"] = {"version_or_reason": smg_info}
     smg: Smg | None = None
-    with ClusterProcess(
-        workers=args.workers, mode=args.mode, overrides=overrides, log_dir=log_dir
-    ) as cluster:
-        assert cluster.proc is not None
+    # the clusters' control token, chosen here: Lumen's workers take HTTP requests only with the bearer
+    # derived from it, which the direct paths and SMG (`--api-key`) then present
+    token = generate_token()
+    bearer = worker_http_bearer(token)
+    with contextlib.ExitStack() as stack:
+        # one Lumen cluster per gateway count, each with its own `--workers` workers (same config);
+        # direct and SMG use the first cluster's workers. n > 1: all n gateways accept on one port.
+        clusters: dict[int, ClusterProcess] = {}
+        for n in counts:
+            clusters[n] = stack.enter_context(
+                ClusterProcess(
+                    workers=args.workers, mode=args.mode, overrides=overrides,
+                    log_dir=log_dir / f"lumen-x{n}", gateways=n, shared_port=n > 1, env={TOKEN_ENV: token},
+                )
+            )  # fmt: skip
+        report["lumen_clusters"] = {
+            str(n): {k: c.ready.get(k) for k in ("urls", "gateway_pids", "workers", "logs")} | {"cmd": c.cmd}
+            for n, c in clusters.items()
+        }
+        first = clusters[counts[0]]
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as http:
-            async with http.get(cluster.url + "/admin/workers") as r:
+            async with http.get(first.url + "/admin/workers") as r:
                 workers = await r.json()
             worker_urls = [w["url"] for w in workers]
-            async with http.get(cluster.url + "/v1/models") as r:
+            async with http.get(first.url + "/v1/models") as r:
                 lumen_model = (await r.json())["data"][0]["id"]
             targets = [
-                Target("direct", worker_urls, "generate"),
-                Target("direct_oai", worker_urls, "completions", lumen_model, True),
-                Target(
-                    "lumen", [cluster.url], "completions", model=lumen_model, pids={"lumen": cluster.proc.pid}
-                ),
+                Target("direct", worker_urls, "generate", api_key=bearer),
+                Target("direct_oai", worker_urls, "completions", lumen_model, True, api_key=bearer),
             ]
-            if args.lumen_generate:
-                targets.append(
-                    Target("lumen_gen", [cluster.url], "generate", pids={"lumen": cluster.proc.pid})
-                )
+            for n, c in clusters.items():
+                # the gateway processes' CPU (the cluster process itself only supervises)
+                gw = c.ready.get("gateway_pids") or [c.proc.pid if c.proc else 0]
+                pids = {"lumen": gw[0]} if n == 1 else {f"lumen_x{n}/g{i}": p for i, p in enumerate(gw)}
+                name, gen_name = lumen_names(n)
+                targets.append(Target(name, [c.url], "completions", model=lumen_model, pids=pids))
+                if args.lumen_generate:
+                    targets.append(Target(gen_name, [c.url], "generate", pids=pids))
             try:
                 if exe is not None:
-                    smg = Smg(exe, worker_urls, args.smg_policy, log_dir / "smg.log")
+                    smg = Smg(exe, worker_urls, args.smg_policy, log_dir / "smg.log", bearer)
                     await smg.ready(http)
-                    async with http.get(smg.url + "/v1/models") as r:
+                    auth = {"Authorization": f"Bearer {bearer}"}  # SMG's --api-key guards its clients too
+                    async with http.get(smg.url + "/v1/models", headers=auth) as r:
                         smg_model = (await r.json())["data"][0]["id"]
-                    found = await probe(http, smg.url, smg_model)
+                    found = await probe(http, smg.url, smg_model, bearer)
                     report["smg"]["probe"] = found
-                    report["smg"]["cmd"] = " ".join(smg.cmd)
+                    report["smg"]["cmd"] = " ".join(smg.cmd).replace(bearer, "<worker bearer>")
                     print(f"SMG probe against the workers: {json.dumps(found)}", file=sys.stderr)
-                    pids = {"smg": smg.proc.pid}
+                    smg_pids = {"smg": smg.proc.pid}
                     if found["/v1/completions"]["ok"]:
                         targets.append(
-                            Target("smg", [smg.url], "completions", smg_model, True, pids, "direct_oai")
+                            Target(
+                                "smg",
+                                [smg.url],
+                                "completions",
+                                smg_model,
+                                True,
+                                smg_pids,
+                                "direct_oai",
+                                bearer,
+                            )
                         )
                     if found["/generate"]["ok"] and args.smg_generate:
-                        targets.append(Target("smg_gen", [smg.url], "generate", pids=pids))
+                        targets.append(
+                            Target("smg_gen", [smg.url], "generate", pids=smg_pids, api_key=bearer)
+                        )
                     report["smg"]["measured"] = [t.name for t in targets if t.name.startswith("smg")]
                     if not report["smg"]["measured"]:
                         report["smg"]["not_measured"] = "no SMG endpoint worked against these workers"
@@ -130,6 +193,9 @@ async def _measure(
     runs: dict[tuple[str, float], list[tuple[list[Sample], float]]] = {}
     cpu_on: dict[tuple[str, float], float] = {}
     wall_on: dict[tuple[str, float], float] = {}
+    busy_on: dict[tuple[str, float], list[float]] = {}  # machine CPU busy (cores) during each run
+    client_on: dict[tuple[str, float], float] = {}  # this process's CPU seconds (the load generator)
+    split_on: dict[tuple[str, float], dict[str, float]] = {}  # gateway CPU seconds per process
     k = 0
     for rep in range(args.repeats):
         for rate in rates:
@@ -138,22 +204,33 @@ async def _measure(
             k += 1
             for t in order:
                 c0 = {p: cpu_seconds(pid) for p, pid in all_pids.items()}
+                m0, p0 = machine_cpu(), time.process_time()
                 w0 = time.monotonic()
                 samples, t0 = await drive(http, t, shapes)
                 wall = time.monotonic() - w0
+                key = (t.name, rate)
+                m1 = machine_cpu()
+                busy = (m1[0] - m0[0]) / (m1[1] - m0[1]) * (os.cpu_count() or 1) if m1[1] > m0[1] else 0.0
+                busy_on.setdefault(key, []).append(busy)
+                client_on[key] = client_on.get(key, 0.0) + time.process_time() - p0
                 for p, pid in all_pids.items():
                     d = cpu_seconds(pid) - c0[p]
                     side = "on" if p in t.pids else "off"
                     acct[p][f"{side}_cpu"] += d
                     acct[p][f"{side}_wall"] += wall
                     if p in t.pids:
-                        cpu_on[(t.name, rate)] = cpu_on.get((t.name, rate), 0.0) + d
-                        wall_on[(t.name, rate)] = wall_on.get((t.name, rate), 0.0) + wall
-                runs.setdefault((t.name, rate), []).append((samples, t0))
-                bad = sum(s.error is not None for s in samples)
+                        cpu_on[key] = cpu_on.get(key, 0.0) + d
+                        split_on.setdefault(key, {})[p] = split_on.get(key, {}).get(p, 0.0) + d
+                wall_on[key] = wall_on.get(key, 0.0) + wall
+                runs.setdefault(key, []).append((samples, t0))
+                step = summarize([(samples, t0)], rate)
+                gw = f", gateway {sum(split_on.get(key, {}).values()) / wall:.2f} core" if t.pids else ""
                 print(
-                    f"rep {rep + 1} rate {rate:g}/s {t.name}: {len(samples)} req, {bad} errors, {wall:.1f} s",
+                    f"rep {rep + 1} rate {rate:g}/s {t.name}: {len(samples)} req, {step['errors']} errors, "
+                    f"achieved {step['achieved_rps']:.1f}/s, TTFT p99 {_ms(step['ttft_p99_ms'])}, "
+                    f"{wall:.1f} s; machine {busy:.2f} of {os.cpu_count()} cores busy{gw}",
                     file=sys.stderr,
+                    flush=True,
                 )
     idle = {p: a["off_cpu"] / a["off_wall"] if a["off_wall"] else 0.0 for p, a in acct.items()}
     report["idle_cpu_rate"] = idle
@@ -166,6 +243,14 @@ async def _measure(
                 net = raw - sum(idle[p] for p in t.pids) * wall_on[(t.name, rate)]
                 row["cpu_s_per_1000"] = 1000 * raw / row["ok"]
                 row["cpu_net_s_per_1000"] = 1000 * net / row["ok"]
+            key = (t.name, rate)
+            wall = wall_on[key]
+            row["machine_busy_cores"] = float(np.mean(busy_on[key]))
+            row["client_cpu_cores"] = client_on[key] / wall
+            if t.pids:
+                row["gateway_cpu_cores"] = cpu_on[key] / wall
+                if len(t.pids) > 1:  # how the kernel spread the connections over the shared port
+                    row["gateway_cpu_split"] = {p: c / wall for p, c in split_on[key].items()}
             rows[f"{t.name}@{rate:g}"] = row
     for t in targets:
         if t.name.startswith("direct"):
@@ -176,12 +261,7 @@ async def _measure(
             for m in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
                 row[f"added_{m}"] = None if row[m] is None or ref[m] is None else row[m] - ref[m]
     for t in targets:
-        sustained = [
-            r for r in rates
-            if rows[f"{t.name}@{r:g}"]["errors"] == 0
-            and rows[f"{t.name}@{r:g}"]["achieved_rps"] >= 0.95 * rows[f"{t.name}@{r:g}"]["offered_rps"]
-            and (rows[f"{t.name}@{r:g}"]["ttft_p99_ms"] or 1e9) <= args.ttft_bound_ms
-        ]  # fmt: skip
-        report.setdefault("max_sustained_rps", {})[t.name] = max(sustained) if sustained else None
+        ok = [r for r in rates if sustained(rows[f"{t.name}@{r:g}"], args.ttft_bound_ms)]
+        report.setdefault("max_sustained_rps", {})[t.name] = max(ok) if ok else None
     report["rows"] = rows
     report["targets"] = [{"name": t.name, "kind": t.kind, "baseline": t.baseline} for t in targets]

@@ -15,6 +15,75 @@ def _fmt(x: float | None, nd: int = 2, sign: bool = False) -> str:
     return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
 
 
+def label(name: str, report: dict[str, Any]) -> str:
+    """A path's name in the tables: `lumen_x2` → `lumen x2 (shared port)`; `lumen` → `lumen x1` when
+    several gateway counts were measured."""
+    several = len(report.get("lumen_clusters", {})) > 1
+    if name in ("lumen", "lumen_gen"):
+        return f"{name} x1" if several else name
+    base, _, n = name.rpartition("_x")
+    if base in ("lumen", "lumen_gen") and n.isdigit():
+        return f"{base} x{n} (shared port)"
+    return name
+
+
+def sustained(row: dict[str, Any], bound_ms: float) -> bool:
+    """The bench's "sustained": achieved ≥ 95% of offered, 0 errors, TTFT p99 within the bound."""
+    return (
+        row["errors"] == 0
+        and row["achieved_rps"] >= 0.95 * row["offered_rps"]
+        and (row["ttft_p99_ms"] if row["ttft_p99_ms"] is not None else 1e9) <= bound_ms
+    )
+
+
+def throughput(report: dict[str, Any]) -> list[str]:
+    """Per path and rate: achieved req/s and TTFT p99, ✓ where sustained; then the all-cores goal."""
+    rows, bound = report["rows"], report["args"]["ttft_bound_ms"]
+    rates = [f"{float(r):g}" for r in report["args"]["rates"].split(",")]
+    names = [t["name"] for t in report["targets"]]
+    out = [
+        f"Throughput: achieved req/s · TTFT p99 ms per offered rate (✓ sustained: ≥ 95% of offered, 0 errors, "
+        f"TTFT p99 ≤ {bound:g} ms)",
+        "",
+        "| path | " + " | ".join(f"{r}/s" for r in rates) + " | max sustained |",
+        "|---|" + "---|" * (len(rates) + 1),
+    ]
+    for n in names:
+        cells = []
+        for r in rates:
+            row = rows[f"{n}@{r}"]
+            p99 = "–" if row["ttft_p99_ms"] is None else f"{row['ttft_p99_ms']:.0f}"
+            err = f", {row['errors']} err" if row["errors"] else ""
+            cells.append(f"{row['achieved_rps']:.1f} · {p99}{err}{' ✓' if sustained(row, bound) else ''}")
+        best = report["max_sustained_rps"].get(n)
+        out.append(
+            f"| {label(n, report)} | " + " | ".join(cells) + f" | {'–' if best is None else f'{best:g}'} |"
+        )
+    multi = [n for n in names if n.startswith("lumen") and "_x" in n]
+    smg_paths = [n for n in names if n.startswith("smg")]
+    if multi and smg_paths:
+        ms = report["max_sustained_rps"]
+        smg_best = max((ms[n] for n in smg_paths if ms[n] is not None), default=None)
+        top = max(float(r) for r in rates)
+        out += [
+            "",
+            f"Goal: every Lumen path with several gateways sustains SMG's highest rate "
+            f"({'none' if smg_best is None else f'{smg_best:g} req/s'}, best of {', '.join(smg_paths)})",
+        ]
+        for n in multi:
+            got = ms[n]
+            if smg_best is None:
+                verdict = "SMG sustained none of the rates: not decided"
+            elif got is not None and got >= smg_best:
+                verdict = f"met ({got:g} ≥ {smg_best:g} req/s)"
+            else:
+                verdict = f"NOT met ({'none' if got is None else f'{got:g}'} < {smg_best:g} req/s)"
+            out.append(f"- {label(n, report)}: {verdict}")
+        if smg_best is not None and smg_best >= top:
+            out.append(f"- SMG sustained the top of the ladder ({top:g} req/s): its own limit is higher")
+    return out
+
+
 def tables(report: dict[str, Any]) -> str:
     """The report as markdown: a header, the full table, the per-token goal, sustained rates, SMG probe."""
     rows = report["rows"]
@@ -31,7 +100,7 @@ def tables(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in rows.items():
-        name = key.split("@")[0]
+        name = label(key.split("@")[0], report)
         added = (
             f"{_fmt(r.get('added_ttft_p50_ms'), 2, True)} / {_fmt(r.get('added_ttft_p99_ms'), 2, True)}",
             f"{_fmt(r.get('added_tpot_p50_ms'), 3, True)} / {_fmt(r.get('added_tpot_p99_ms'), 3, True)}",
@@ -71,8 +140,8 @@ def tables(report: dict[str, Any]) -> str:
         "",
     ]
     for name, r in report["max_sustained_rps"].items():
-        out.append(f"- {name}: {'none of the rates' if r is None else f'{r:g} req/s'}")
-    out.append("")
+        out.append(f"- {label(name, report)}: {'none of the rates' if r is None else f'{r:g} req/s'}")
+    out += ["", *throughput(report), ""]
     if smg.get("measured"):
         out.append(f"SMG paths measured (no shim): {', '.join(smg['measured'])}.")
     elif smg:

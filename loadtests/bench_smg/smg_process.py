@@ -38,7 +38,9 @@ def smg_binary(install: bool) -> tuple[str | None, str]:
 class Smg:
     """`smg launch` on loopback (metrics too), stopped by its pid."""
 
-    def __init__(self, exe: str, worker_urls: list[str], policy: str, log_path: Path) -> None:
+    def __init__(
+        self, exe: str, worker_urls: list[str], policy: str, log_path: Path, worker_api_key: str = ""
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.n = len(worker_urls)
@@ -48,6 +50,8 @@ class Smg:
             "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
             "--shutdown-grace-period-secs", "1",
         ]  # fmt: skip
+        if worker_api_key:  # SMG's bearer towards the workers
+            self.cmd += ["--api-key", worker_api_key]
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -75,8 +79,11 @@ class Smg:
         self.log.close()
 
 
-async def probe(http: aiohttp.ClientSession, base: str, model: str) -> dict[str, dict[str, Any]]:
+async def probe(
+    http: aiohttp.ClientSession, base: str, model: str, api_key: str = ""
+) -> dict[str, dict[str, Any]]:
     """One tiny streamed request per SMG endpoint: status and the start of the reply."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     bodies = {
         "/v1/completions": {
             "model": model,
@@ -101,7 +108,7 @@ async def probe(http: aiohttp.ClientSession, base: str, model: str) -> dict[str,
     out = {}
     for path, body in bodies.items():
         try:
-            async with http.post(base + path, json=body) as r:
+            async with http.post(base + path, json=body, headers=headers) as r:
                 text = await r.text()
                 ok = r.status == 200 and "[DONE]" in text and "error" not in text
                 out[path] = {"ok": ok, "status": r.status, "reply": text[:300]}

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         help="workers killed at --kill-at (comma-separated; default w0, or the scenario's, when no --fault)",
     )
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument(
+        "--gateways", type=int, default=1, help="gateway processes (kill-gateway faults need 2 or more)"
+    )
     ap.add_argument("--model", default="Qwen3-32B")
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     ap.add_argument("--rate", type=float, default=6.0, help="requests per second")

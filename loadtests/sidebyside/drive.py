@@ -96,21 +96,26 @@ async def poll_workers(
 
 
 async def _drive(
-    url: str,
+    urls: list[str],
     shapes: list[Shape],
     results: list[RequestResult],
     schedule: FaultSchedule,
     seed: int,
     poll_s: float,
 ) -> dict[str, Any]:
+    """The load, spread over the cluster's gateways (round robin); a client whose gateway dies resumes
+    its stream on the next one (Last-Event-ID)."""
     info: dict[str, Any] = {"queue": []}
+    url = urls[0]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         t0 = time.monotonic()
-        faults = FaultRunner(http, url, schedule, seed=seed, t0=t0)
+        faults = FaultRunner(http, url, schedule, seed=seed, t0=t0, gateway_urls=urls)
 
         async def one(s: Shape, r: RequestResult) -> None:
             await asyncio.sleep(max(0.0, s.at - (time.monotonic() - t0)))
-            await stream_completion(http, url, "lumen-synthetic", r)
+            mine = urls[r.idx % len(urls)]
+            others = [u for u in urls if u != mine]
+            await stream_completion(http, mine, "lumen-synthetic", r, resume_urls=others)
 
         async def progress() -> None:
             while True:
@@ -134,10 +139,17 @@ async def _drive(
         sys.stderr.write("\n")
         info["t0"] = t0
         info["faults"] = faults.fired
-        async with http.get(f"{url}/admin/sessions") as resp:
-            info["sessions"] = await resp.json()
+        # every gateway's sessions (a killed gateway's are gone with it; its clients resumed elsewhere)
+        info["sessions"] = {"interrupted": []}
+        for u in urls:
+            try:
+                async with http.get(f"{u}/admin/sessions", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    info["sessions"]["interrupted"] += (await resp.json())["interrupted"]
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+                sys.stderr.write(f"  (no sessions from {u})\n")
         async with http.get(f"{url}/admin/workers") as resp:
             info["workers"] = await resp.json()
+        info["resumed_streams"] = sum(r.resumes for r in results)
     return info
 
 
@@ -177,8 +189,12 @@ def run_mode(
     results = _results(shapes, args.seed)
     label = f"{mode}{'' if schedule else ' (no failure)'}"
     sys.stderr.write(f"[{label}] starting {args.workers} workers\n")
-    with ClusterProcess(workers=args.workers, mode=mode, overrides=overrides, log_dir=log_dir) as c:
-        info = asyncio.run(_drive(c.url, shapes, results, schedule, args.seed, args.poll))
+    gateways = getattr(args, "gateways", 1)
+    with ClusterProcess(
+        workers=args.workers, mode=mode, overrides=overrides, log_dir=log_dir, gateways=gateways
+    ) as c:
+        urls = list(c.ready.get("urls") or [c.url])
+        info = asyncio.run(_drive(urls, shapes, results, schedule, args.seed, args.poll))
     interrupted = {i["rid"] for i in info["sessions"]["interrupted"]}
     records = _records(results, info["t0"], interrupted)
     info["restores"] = sum(1 for i in info["sessions"]["interrupted"] if i.get("restored_tokens"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,78 @@ def test_a_gateway_killed_mid_stream_loses_no_token(tmp_path: Path, kill_worker:
         assert replayed >= 1 and adopted >= 1  # the dead worker's requests recomputed, the rest adopted
     else:
         assert adopted == len(reqs)  # every worker alive: every request taken over where it ran
+
+
+def test_a_fault_schedule_kills_a_gateway_and_the_load_resumes_elsewhere(tmp_path: Path) -> None:
+    """`kill-gateway:0@T` from a fault schedule (FaultRunner), clients spread over both gateways."""
+    from loadtests.faults import FaultRunner, FaultSchedule
+
+    reqs = make_requests(12, seed=3, min_out=150, max_out=200)
+    with ClusterProcess(workers=2, gateways=2, overrides=E2E_OVERRIDES, log_dir=tmp_path) as c:
+        urls = c.ready["urls"]
+
+        async def run() -> list[dict[str, Any]]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+                schedule = FaultSchedule.parse(["kill-gateway:0@1.5"])
+                runner = FaultRunner(http, urls[0], schedule, seed=1, t0=time.monotonic(), gateway_urls=urls)
+                load = [
+                    stream_completion(http, urls[r.idx % 2], "lumen-synthetic", r, resume_urls=[urls[1 - r.idx % 2]])
+                    for r in reqs
+                ]
+                await asyncio.gather(runner.run(), *load)
+                return runner.fired
+
+        fired = asyncio.run(run())
+    assert [(f["kind"], f["ok"]) for f in fired] == [("kill-gateway", True)], fired
+    assert_exact(reqs)
+    assert sum(r.resumes for r in reqs) >= 1  # gateway 0's clients came back through gateway 1
+
+
+
+def test_two_gateways_recover_one_worker_failure_each_for_its_own(tmp_path: Path) -> None:
+    """A worker dies under two gateways' load: each gateway resumes its own requests, each once, and no
+    holder's store ever exceeds its budget though both gateways assign holders at once."""
+    reqs = make_requests(18, seed=21, min_out=150, max_out=220)
+    budget = 3_000_000  # small: pages are evicted under this load, so the budget is really tested
+    overrides = {**E2E_OVERRIDES, "recovery.mode": "lumen", "checkpoint.budget_bytes": budget}
+    with ClusterProcess(workers=3, gateways=2, overrides=overrides, log_dir=tmp_path) as c:
+        urls = c.ready["urls"]
+
+        async def run() -> tuple[list[list[dict[str, Any]]], list[int], list[list[dict[str, Any]]]]:
+            usage: list[int] = []
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+                load = asyncio.gather(
+                    *(stream_completion(http, urls[r.idx % 2], "lumen-synthetic", r) for r in reqs)
+                )
+
+                async def watch_budgets() -> None:
+                    while True:
+                        for u in urls:
+                            usage.extend(w["ckpt_bytes"] for w in await admin(u, "GET", "/admin/workers"))
+                        await asyncio.sleep(0.1)
+
+                watcher = asyncio.create_task(watch_budgets())
+                async with asyncio.timeout(60):
+                    while not all(len(r.chunk_times) >= 5 for r in reqs):
+                        await asyncio.sleep(0.02)
+                ws = await admin(urls[0], "GET", "/admin/workers")
+                victim = max(ws, key=lambda w: w["running"])["id"]
+                await admin(urls[0], "POST", f"/admin/workers/{victim}/kill?mode=kill")
+                await load
+                watcher.cancel()
+                sessions = [(await admin(u, "GET", "/admin/sessions"))["interrupted"] for u in urls]
+                workers = [await admin(u, "GET", "/admin/workers") for u in urls]
+            return sessions, usage, workers
+
+        sessions, usage, workers = asyncio.run(run())
+    assert_exact(reqs)
+    for mine in sessions:
+        rids = [s["rid"] for s in mine]
+        assert rids and len(rids) == len(set(rids))  # each interrupted request resumed once, here
+        assert all(s["resumed_on"] for s in mine)
+    # disjoint: a gateway resumes only its own sessions
+    assert not {s["rid"] for s in sessions[0]} & {s["rid"] for s in sessions[1]}
+    evicted = sum(w["ckpt_pages_evicted_total"] for w in workers[1])
+    assert usage and max(usage) <= budget
+    assert max(usage) > budget // 2 or evicted > 0  # the stores were under pressure
+    assert all(w["ckpt_budget_bytes"] == budget for view in workers for w in view if w["ckpt_budget_bytes"])

@@ -61,8 +61,15 @@ async def test_forged_pages_to_a_live_worker_store_nothing(cluster_factory: Any,
     assert (w0_after["ckpt_bytes"], w0_after["ckpt_tokens"]) == (0, 0)
     assert (w0_after["state"], w0_after["incarnation"]) == ("HEALTHY", w0["incarnation"])
     # the worker logged the refused handshake (its log is in the cluster's log folder)
-    logs = [p for p in Path(c.stderr_path).parent.rglob("*") if p.is_file()]
-    assert any("kv_handshake_failed" in p.read_text(errors="replace") for p in logs)
+    def logged() -> bool:
+        logs = [p for p in Path(c.stderr_path).parent.rglob("*") if p.is_file()]
+        return any("kv_handshake_failed" in p.read_text(errors="replace") for p in logs)
+
+    for _ in range(100):
+        if logged():
+            break
+        await asyncio.sleep(0.1)
+    assert logged()
 
     # the workers' own checkpoints still reach their holders
     reqs = make_requests(6, seed=5, min_out=300, max_out=400)

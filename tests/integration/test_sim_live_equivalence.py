@@ -26,7 +26,8 @@ from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
-from gateway.server.sessions import Interruption, Session, SessionManager
+from gateway.server.session_records import Interruption, Session
+from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
 from gateway.sim import trace as tr

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loadtests.faults import (
+    GATEWAY_KINDS,
     DEFAULT_SLOWDOWN,
     KINDS,
     SELECTORS,
@@ -93,7 +94,7 @@ events = st.builds(
         factor if kind == "slow" else None,
         duration if undo and kind in UNDO else None,
     ),
-    st.sampled_from(KINDS),
+    st.sampled_from([k for k in KINDS if k not in GATEWAY_KINDS]),
     st.one_of(st.sampled_from(SELECTORS), st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,8}", fullmatch=True)),
     numbers,
     st.floats(min_value=1, max_value=1000),
@@ -246,3 +247,17 @@ def test_the_supervisor_has_a_signal_for_every_signal_fault() -> None:
 
     assert tuple(FAULT_SIGNALS) == SIGNAL_MODES
     assert set(FAULT_MODES) == set(SIGNAL_MODES) | set(SPEED_MODES)
+
+
+def test_kill_gateway_takes_a_gateway_index_and_no_duration() -> None:
+    e = parse_fault("kill-gateway:1@12")
+    assert (e.kind, e.target, e.at, e.duration) == ("kill-gateway", "1", 12.0, None)
+    assert parse_fault(str(e)) == e
+    for bad in ("kill-gateway:w0@3", "kill-gateway:busiest@3", "kill-gateway:0@3+2", "kill-gateway:0@3x2"):
+        with pytest.raises(FaultSpecError):
+            parse_fault(bad)
+    # a gateway index is not a worker: the schedule's worker check and the selectors leave it alone
+    schedule = FaultSchedule.parse(["kill-gateway:0@5", "kill:busiest@5"])
+    schedule.check_workers({"w0", "w1"})
+    workers = [{"id": "w0", "state": "HEALTHY", "running": 3}, {"id": "w1", "state": "HEALTHY", "running": 1}]
+    assert resolve_group(schedule.events, workers, random.Random(0)) == ["0", "w0"]
