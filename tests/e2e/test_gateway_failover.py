@@ -110,13 +110,20 @@ def test_two_gateways_recover_one_worker_failure_each_for_its_own(tmp_path: Path
     """A worker dies under two gateways' load: each gateway resumes its own requests, each once, and no
     holder's store ever exceeds its budget though both gateways assign holders at once."""
     reqs = make_requests(18, seed=21, min_out=150, max_out=220)
-    budget = 3_000_000  # small: pages are evicted under this load, so the budget is really tested
-    overrides = {**E2E_OVERRIDES, "recovery.mode": "lumen", "checkpoint.budget_bytes": budget}
+    # small pages, a light payload and a budget of a few requests' checkpoints per holder: the
+    # stores evict under this load, so the budget is really tested
+    overrides = {
+        **E2E_OVERRIDES,
+        "recovery.mode": "lumen",
+        "engine.page_size": 16,
+        "checkpoint.payload_scale": 0.001,
+        "checkpoint.budget_bytes": 400 * 2**20,
+    }
     with ClusterProcess(workers=3, gateways=2, overrides=overrides, log_dir=tmp_path) as c:
         urls = c.ready["urls"]
 
-        async def run() -> tuple[list[list[dict[str, Any]]], list[int], list[list[dict[str, Any]]]]:
-            usage: list[int] = []
+        async def run() -> tuple[list[list[dict[str, Any]]], list[tuple[int, int]], list[list[dict[str, Any]]]]:
+            usage: list[tuple[int, int]] = []  # (bytes held, budget) as each gateway sees each worker
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
                 load = asyncio.gather(
                     *(stream_completion(http, urls[r.idx % 2], "lumen-synthetic", r) for r in reqs)
@@ -125,7 +132,8 @@ def test_two_gateways_recover_one_worker_failure_each_for_its_own(tmp_path: Path
                 async def watch_budgets() -> None:
                     while True:
                         for u in urls:
-                            usage.extend(w["ckpt_bytes"] for w in await admin(u, "GET", "/admin/workers"))
+                            ws = await admin(u, "GET", "/admin/workers")
+                            usage.extend((w["ckpt_bytes"], w["ckpt_budget_bytes"]) for w in ws)
                         await asyncio.sleep(0.1)
 
                 watcher = asyncio.create_task(watch_budgets())
@@ -149,7 +157,6 @@ def test_two_gateways_recover_one_worker_failure_each_for_its_own(tmp_path: Path
         assert all(s["resumed_on"] for s in mine)
     # disjoint: a gateway resumes only its own sessions
     assert not {s["rid"] for s in sessions[0]} & {s["rid"] for s in sessions[1]}
+    assert usage and all(held <= budget for held, budget in usage if budget)
     evicted = sum(w["ckpt_pages_evicted_total"] for w in workers[1])
-    assert usage and max(usage) <= budget
-    assert max(usage) > budget // 2 or evicted > 0  # the stores were under pressure
-    assert all(w["ckpt_budget_bytes"] == budget for view in workers for w in view if w["ckpt_budget_bytes"])
+    assert max(held for held, _ in usage) > 0 and (evicted > 0 or any(2 * h > b for h, b in usage if b))

@@ -59,7 +59,9 @@ async def test_forged_pages_to_a_live_worker_store_nothing(cluster_factory: Any,
     ws = await admin(c.url, "GET", "/admin/workers")
     w0_after = next(w for w in ws if w["id"] == "w0")
     assert (w0_after["ckpt_bytes"], w0_after["ckpt_tokens"]) == (0, 0)
-    assert (w0_after["state"], w0_after["incarnation"]) == ("HEALTHY", w0["incarnation"])
+    # the attack fenced nothing (SUSPECT is only a late heartbeat on a busy machine)
+    assert w0_after["incarnation"] == w0["incarnation"] and w0_after["state"] in ("HEALTHY", "SUSPECT")
+
     # the worker logged the refused handshake (its log is in the cluster's log folder)
     def logged() -> bool:
         logs = [p for p in Path(c.stderr_path).parent.rglob("*") if p.is_file()]
