@@ -148,6 +148,7 @@ class HealthSection:
     phi_fail: float = _DETECT.phi_fail  # FAILED past this one (and the floors, and a probe)
     min_std_ratio: float = _DETECT.min_std_ratio  # the gaps' deviation is taken as >= this x interval
     pause_factor: float = _DETECT.pause_factor  # FAILED never before this x the longest recent gap
+    pause_half_life_s: float = _DETECT.pause_half_life_s  # a long gap is remembered, halving this often
     # a suspected Lumen worker's /health is probed; unanswered this long confirms FAILED (0: no probe)
     probe_timeout_ms: int = round(1000 * _DETECT.probe_timeout_s)
     max_silence_ms: int = round(1000 * _DETECT.max_silence_s)  # FAILED after this silence, whatever else
@@ -163,6 +164,7 @@ class HealthSection:
             phi_fail=self.phi_fail,
             min_std_ratio=self.min_std_ratio,
             pause_factor=self.pause_factor,
+            pause_half_life_s=self.pause_half_life_s,
             probe_timeout_s=self.probe_timeout_ms / 1000,
             max_silence_s=self.max_silence_ms / 1000,
         )

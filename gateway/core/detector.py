@@ -18,8 +18,11 @@ level φ* at t = μ + z(φ*)·σ', with z the normal quantile of 1 − 10^−φ*
 
 The normal law underestimates heavy tails (a starved process shows rare long pauses, not a wider
 bell), hence the terms in g: a silence no longer than pauses the worker has shown recently and
-recovered from is not suspected at all, and is failed only at `pause_factor` times that. Both are
-capped at `max_silence_s`, past which a worker is FAILED whatever else holds.
+recovered from is not suspected at all, and is failed only at `pause_factor` times that. g is the
+longest of the window's gaps, a memory of longer ones that halves every `pause_half_life_s`, and
+what the shell passes as its other workers' recent pauses (`host_pause`: workers on one busy host
+stall together, and the one that has not stalled yet should not be fenced for it). Both thresholds
+are capped at `max_silence_s`, past which a worker is FAILED whatever else holds.
 
 **The confirmation** (`judge`): where the shell can probe a worker (Lumen's workers: an HTTP request
 to its own server, a path independent of the heartbeat stream), a suspected worker is probed once,
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from statistics import NormalDist
 
@@ -73,6 +76,8 @@ class DetectorParams:
     # FAILED never before this × the longest gap in the window: under CPU contention a worker that
     # had shown 123 ms pauses stalled for ~360 ms once (docs/results.md, "Failure detection")
     pause_factor: float = 4.0
+    # the longest pause is also remembered beyond the window, halving every this many seconds
+    pause_half_life_s: float = 60.0
     probe_timeout_s: float = 0.15  # a suspicion's probe unanswered this long confirms it (0: no probes)
     max_silence_s: float = 3.0  # FAILED after this much silence, even if probes answer
 
@@ -91,6 +96,12 @@ class DetectorParams:
         )
         check(self.min_std_ratio > 0, "min_std_ratio", self.min_std_ratio, "must be > 0")
         check(self.pause_factor >= 1, "pause_factor", self.pause_factor, "must be >= 1")
+        check(
+            math.isfinite(self.pause_half_life_s) and self.pause_half_life_s > 0,
+            "pause_half_life_s",
+            self.pause_half_life_s,
+            "must be > 0",
+        )
         check(
             math.isfinite(self.probe_timeout_s) and self.probe_timeout_s >= 0,
             "probe_timeout_s",
@@ -150,9 +161,11 @@ class HeartbeatDetector:
         "_count",
         "_gaps",
         "_maxq",
+        "_pause",
+        "_pause_at",
+        "_stats",
         "_sum",
         "_sumsq",
-        "_thresholds",
         "_z_fail",
         "_z_suspect",
         "last_s",
@@ -171,7 +184,9 @@ class HeartbeatDetector:
         self._maxq: deque[tuple[int, float]] = deque()  # (index, gap), gaps decreasing
         self._z_suspect = z_of_phi(params.phi_suspect)
         self._z_fail = z_of_phi(params.phi_fail)
-        self._thresholds: Thresholds | None = None
+        self._stats: tuple[float, float, float] | None = None
+        self._pause = 0.0  # the longest gap, decaying with pause_half_life_s from when it was seen
+        self._pause_at = now_s
         self.probe_sent_s: float | None = None
         self.probe_answer: bool | None = None
 
@@ -181,6 +196,8 @@ class HeartbeatDetector:
         gap = now_s - self.last_s
         if gap >= 0:
             self._push(gap)
+            self._pause = max(self.pause(now_s), gap)
+            self._pause_at = now_s
             self.last_s = now_s
         self.probe_sent_s = None
         self.probe_answer = None
@@ -214,9 +231,25 @@ class HeartbeatDetector:
     def samples(self) -> int:
         return len(self._gaps)
 
+    def pause(self, now_s: float) -> float:
+        """The longest gap seen, halved every `pause_half_life_s` since (a memory beyond the window)."""
+        age = max(0.0, now_s - self._pause_at)
+        decay: float = 0.5 ** (age / self.params.pause_half_life_s)
+        return self._pause * decay
+
+    def recent_pause(self, now_s: float) -> float:
+        """The longest pause this worker has shown lately: the window's longest gap, or the decayed
+        memory of a longer one."""
+        return max(self.stats()[2], self.pause(now_s))
+
     def stats(self) -> tuple[float, float, float]:
         """(mean, standard deviation, longest gap) of the window; the nominal interval until
         MIN_SAMPLES gaps are known."""
+        if self._stats is None:
+            self._stats = self._compute_stats()
+        return self._stats
+
+    def _compute_stats(self) -> tuple[float, float, float]:
         p = self.params
         n = len(self._gaps)
         if n < MIN_SAMPLES:
@@ -226,17 +259,19 @@ class HeartbeatDetector:
         var = max(0.0, self._sumsq / n - mean * mean)
         return mean, math.sqrt(var), self._maxq[0][1]
 
-    def thresholds(self) -> Thresholds:
-        if self._thresholds is None:
-            p = self.params
-            mean, std, longest = self.stats()
-            std = max(std, p.min_std_ratio * p.interval_s)
-            cap = p.max_silence_s
-            suspect = max(2 * p.interval_s, mean + self._z_suspect * std, longest)
-            fail = max(p.misses * p.interval_s, mean + self._z_fail * std, p.pause_factor * longest, suspect)
-            probe = max(p.probe_timeout_s, p.pause_factor * longest)
-            self._thresholds = Thresholds(min(suspect, cap), min(fail, cap), min(probe, cap), cap)
-        return self._thresholds
+    def thresholds(self, now_s: float | None = None, peer_pause_s: float = 0.0) -> Thresholds:
+        """The silences at which this worker is suspected and failed at `now_s` (default: its last
+        heartbeat). g is the longest of: the window's longest gap, the decayed memory of a longer one,
+        and `peer_pause_s` (what the shell knows of pauses its other workers showed: `host_pause`)."""
+        p = self.params
+        mean, std, _ = self.stats()
+        longest = max(self.recent_pause(self.last_s if now_s is None else now_s), peer_pause_s)
+        std = max(std, p.min_std_ratio * p.interval_s)
+        cap = p.max_silence_s
+        suspect = max(2 * p.interval_s, mean + self._z_suspect * std, longest)
+        fail = max(p.misses * p.interval_s, mean + self._z_fail * std, p.pause_factor * longest, suspect)
+        probe = max(p.probe_timeout_s, p.pause_factor * longest)
+        return Thresholds(min(suspect, cap), min(fail, cap), min(probe, cap), cap)
 
     def phi(self, silence_s: float) -> float:
         """The suspicion level of a silence: −log10 of the chance of a gap that long (normal law)."""
@@ -268,7 +303,16 @@ class HeartbeatDetector:
         if self._count % _RESUM_EVERY == 0:
             self._sum = math.fsum(gaps)
             self._sumsq = math.fsum(g * g for g in gaps)
-        self._thresholds = None
+        self._stats = None
+
+
+def host_pause(detectors: Iterable[HeartbeatDetector], now_s: float, interval_s: float) -> float:
+    """The pause a worker with heartbeats every `interval_s` should expect from what its peers showed:
+    its interval plus the longest excess over their own interval of their recent pauses. Workers
+    sharing a host (or a gateway) stall together under CPU contention; one that has not happened to
+    stall yet should not be the one fenced for it. Over-tolerant where they share nothing."""
+    excess = max((d.recent_pause(now_s) - d.params.interval_s for d in detectors), default=0.0)
+    return interval_s + max(0.0, excess)
 
 
 def gateway_stall(prev_tick_s: float | None, now_s: float, period_s: float) -> float:

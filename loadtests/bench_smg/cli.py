@@ -89,6 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         help="Lumen gateway processes, one cluster per entry (e.g. 1,2): 1 is `lumen`/`lumen_gen`; "
         "N > 1 is `lumen_xN`/`lumen_gen_xN`, N gateways accepting on one port (`--shared-port`)",
     )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="CORES",
+        help="before each step, wait until the machine's busy cores (over 1 s, this bench's idle "
+        "processes included) are at most CORES (default 0: no waiting; a shared machine: e.g. 0.6)",
+    )
+    ap.add_argument("--wait-quiet-max-s", type=float, default=300.0, help="the longest wait before one step")
     ap.add_argument("--no-smg", dest="smg", action="store_false")
     ap.add_argument("--no-install", action="store_true", help="do not pip install smg when missing")
     ap.add_argument("--seed", type=int, default=11)

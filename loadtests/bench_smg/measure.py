@@ -5,6 +5,7 @@ rows: percentiles, added latency vs the path's baseline, CPU per 1,000 requests,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -28,6 +29,26 @@ def machine_cpu() -> tuple[float, float]:
     """(busy, total) jiffies of all CPUs from /proc/stat (busy: all but idle and iowait)."""
     f = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return sum(f) - f[3] - f[4], sum(f)
+
+
+async def _busy_over(seconds: float) -> float:
+    """Cores the whole machine kept busy over the next `seconds`."""
+    m0 = machine_cpu()
+    await asyncio.sleep(seconds)
+    m1 = machine_cpu()
+    return (m1[0] - m0[0]) / (m1[1] - m0[1]) * (os.cpu_count() or 1) if m1[1] > m0[1] else 0.0
+
+
+async def _quiet(max_busy: float, max_wait_s: float) -> tuple[float, float]:
+    """The machine's busy cores over 1 s before a step, and the seconds waited for it to fall to
+    `max_busy` (0: no waiting), at most `max_wait_s`; the bench's own idle processes count too."""
+    t0 = time.monotonic()
+    busy = await _busy_over(1.0)
+    while max_busy > 0 and busy > max_busy and time.monotonic() - t0 < max_wait_s:
+        await asyncio.sleep(2.0)
+        busy = await _busy_over(1.0)
+    waited = time.monotonic() - t0 - 1.0
+    return busy, waited if waited > 0.5 else 0.0
 
 
 def _ms(x: float | None) -> str:
@@ -194,6 +215,8 @@ async def _measure(
     cpu_on: dict[tuple[str, float], float] = {}
     wall_on: dict[tuple[str, float], float] = {}
     busy_on: dict[tuple[str, float], list[float]] = {}  # machine CPU busy (cores) during each run
+    before_on: dict[tuple[str, float], list[float]] = {}  # the same over 1 s just before it
+    waited_s = 0.0
     client_on: dict[tuple[str, float], float] = {}  # this process's CPU seconds (the load generator)
     split_on: dict[tuple[str, float], dict[str, float]] = {}  # gateway CPU seconds per process
     k = 0
@@ -203,6 +226,7 @@ async def _measure(
             order = targets[k % len(targets) :] + targets[: k % len(targets)]
             k += 1
             for t in order:
+                before, waited = await _quiet(args.wait_quiet, args.wait_quiet_max_s)
                 c0 = {p: cpu_seconds(pid) for p, pid in all_pids.items()}
                 m0, p0 = machine_cpu(), time.process_time()
                 w0 = time.monotonic()
@@ -212,6 +236,8 @@ async def _measure(
                 m1 = machine_cpu()
                 busy = (m1[0] - m0[0]) / (m1[1] - m0[1]) * (os.cpu_count() or 1) if m1[1] > m0[1] else 0.0
                 busy_on.setdefault(key, []).append(busy)
+                before_on.setdefault(key, []).append(before)
+                waited_s += waited
                 client_on[key] = client_on.get(key, 0.0) + time.process_time() - p0
                 for p, pid in all_pids.items():
                     d = cpu_seconds(pid) - c0[p]
@@ -228,10 +254,12 @@ async def _measure(
                 print(
                     f"rep {rep + 1} rate {rate:g}/s {t.name}: {len(samples)} req, {step['errors']} errors, "
                     f"achieved {step['achieved_rps']:.1f}/s, TTFT p99 {_ms(step['ttft_p99_ms'])}, "
-                    f"{wall:.1f} s; machine {busy:.2f} of {os.cpu_count()} cores busy{gw}",
+                    f"{wall:.1f} s; machine {busy:.2f} of {os.cpu_count()} cores busy{gw} "
+                    f"({before:.2f} just before{f', after waiting {waited:.0f} s' if waited else ''})",
                     file=sys.stderr,
                     flush=True,
                 )
+    report["waited_for_quiet_s"] = waited_s
     idle = {p: a["off_cpu"] / a["off_wall"] if a["off_wall"] else 0.0 for p, a in acct.items()}
     report["idle_cpu_rate"] = idle
     rows: dict[str, dict[str, Any]] = {}
@@ -246,6 +274,7 @@ async def _measure(
             key = (t.name, rate)
             wall = wall_on[key]
             row["machine_busy_cores"] = float(np.mean(busy_on[key]))
+            row["machine_busy_before_cores"] = before_on[key]
             row["client_cpu_cores"] = client_on[key] / wall
             if t.pids:
                 row["gateway_cpu_cores"] = cpu_on[key] / wall

@@ -84,6 +84,23 @@ def throughput(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _quiet_line(report: dict[str, Any]) -> list[str]:
+    """How busy the machine was just before the steps (the bench's own idle processes included)."""
+    before = sorted(b for r in report["rows"].values() for b in r.get("machine_busy_before_cores", ()))
+    if not before:
+        return []
+    waited = report.get("waited_for_quiet_s", 0.0)
+    return [
+        f"Machine busy over 1 s before each step: median {before[len(before) // 2]:.2f}, "
+        f"max {before[-1]:.2f} cores"
+        + (
+            f" (waited {waited:.0f} s in all for it to fall to {report['args'].get('wait_quiet', 0):g})."
+            if waited
+            else "."
+        )
+    ]
+
+
 def tables(report: dict[str, Any]) -> str:
     """The report as markdown: a header, the full table, the per-token goal, sustained rates, SMG probe."""
     rows = report["rows"]
@@ -92,6 +109,7 @@ def tables(report: dict[str, Any]) -> str:
         f"`{report['command']}` — {report['machine']}, load average at start "
         + " / ".join(f"{x:.1f}" for x in report["loadavg_at_start"])
         + f", {report['date']}, commit {report['commit']}, smg {smg.get('version_or_reason', '–')}.",
+        *_quiet_line(report),
         "Baselines: `lumen`, `lumen_gen`, `smg_gen` against `direct` (worker `/generate`); `smg` against "
         "`direct_oai` (worker `/v1/completions`), the endpoint SMG forwards to.",
         "",

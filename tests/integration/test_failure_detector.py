@@ -176,6 +176,20 @@ async def test_the_gateways_own_stall_is_not_blamed_on_the_workers() -> None:
     assert probe.calls == 0
 
 
+async def test_a_worker_stalling_just_after_its_peers_is_given_their_tolerance() -> None:
+    """A busy host stalls every worker on it: w0 and w1 pause 300 ms, w2 (which had shown no pause
+    yet) 600 ms. Judged alone, w2 would be fenced (its own thresholds are ~120 ms and its probe goes
+    unanswered); with its peers' pauses counted it is only SUSPECT."""
+    clock, mon = make(3, prober=FakeProbe(None))
+    steady = {w: (lambda: 0.02) for w in ("w0", "w1", "w2")}
+    await run(clock, mon, 3.0, {w: 0.02 for w in steady}, steady)
+    t = clock.t
+    await run(clock, mon, 1.0, {"w0": t + 0.3, "w1": t + 0.3, "w2": t + 0.6}, steady)
+    assert not any(e.dst is S.FAILED for e in mon.events)
+    assert states(mon, "w2")[-2:] == [S.SUSPECT, S.HEALTHY]
+    assert all(r.state is S.HEALTHY for r in mon.workers.values())
+
+
 async def test_a_polled_server_is_judged_in_units_of_its_poll_interval() -> None:
     clock, mon = make(0, prober=FakeProbe(None))
     rec = mon.attach(

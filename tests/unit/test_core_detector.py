@@ -20,6 +20,7 @@ from gateway.core.detector import (
     Thresholds,
     gateway_stall,
     hang_detection_s,
+    host_pause,
     judge,
     silence_verdicts,
     z_of_phi,
@@ -75,10 +76,39 @@ def test_the_thresholds_follow_the_jitter_actually_observed() -> None:
     t = jittery.thresholds()
     assert t.suspect_s >= 0.09 - 1e-9 > steady.fail_s  # a pause it has shown is not even suspected
     assert t.fail_s >= P.pause_factor * 0.09 - 1e-9
-    # ... and they come back down once the pauses leave the window
+    # ... and they come back down once the pauses have left the window and their memory has faded
     calm = fed([0.09] * 5 + [0.02] * P.window)
-    got = calm.thresholds()
+    remembered = calm.thresholds()
+    assert remembered.fail_s == pytest.approx(P.pause_factor * 0.09 * 0.5 ** (P.window * 0.02 / 60))
+    got = calm.thresholds(calm.last_s + 10 * P.pause_half_life_s)
     assert (got.suspect_s, got.fail_s) == (pytest.approx(steady.suspect_s), pytest.approx(steady.fail_s))
+
+
+def test_a_long_pause_is_remembered_beyond_the_window_halving_every_half_life() -> None:
+    det = fed([0.02] * 100 + [0.5] + [0.02] * P.window)
+    now = det.last_s
+    age = P.window * 0.02
+    assert det.stats()[2] == pytest.approx(0.02)  # out of the window
+    assert det.pause(now) == pytest.approx(0.5 * 0.5 ** (age / P.pause_half_life_s))
+    assert det.pause(now + P.pause_half_life_s) == pytest.approx(det.pause(now) / 2)
+    assert det.recent_pause(now) == det.pause(now)
+
+
+def test_pauses_of_the_other_workers_count_too() -> None:
+    """Workers on one busy host stall together: the one that has not stalled yet is given the
+    tolerance its peers earned (host_pause), in units of its own interval."""
+    quiet = fed([0.02] * 200)
+    stalled = fed([0.02] * 100 + [0.3] + [0.02] * 100)
+    polled = fed([0.05] * 200, P.for_interval(0.05))
+    now = max(quiet.last_s, stalled.last_s)
+    peers = host_pause([quiet, stalled, polled], now, 0.02)
+    assert peers == pytest.approx(stalled.recent_pause(now))
+    assert host_pause([quiet, polled], now, 0.02) == pytest.approx(0.02)  # a slower poll is no pause
+    alone, pooled = quiet.thresholds(now), quiet.thresholds(now, peers)
+    assert pooled.fail_s == pytest.approx(P.pause_factor * peers)
+    assert pooled.fail_s > alone.fail_s
+    assert judge(Silence(S.SUSPECT, 0.5, pooled, Probe(0.5), True)).state is S.SUSPECT
+    assert judge(Silence(S.SUSPECT, 0.5, alone, Probe(0.5), True)).state is S.FAILED
 
 
 @settings(max_examples=60, deadline=None)
@@ -271,6 +301,7 @@ def test_parameters_are_bounded_and_name_the_field() -> None:
         ("phi_fail", 1.0),
         ("min_std_ratio", 0.0),
         ("pause_factor", 0.5),
+        ("pause_half_life_s", 0.0),
         ("probe_timeout_s", -0.1),
         ("max_silence_s", 0.01),
     ]:

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loadtests.faults import (
-    GATEWAY_KINDS,
     DEFAULT_SLOWDOWN,
+    GATEWAY_KINDS,
     KINDS,
     SELECTORS,
     UNDO,

@@ -229,15 +229,19 @@ class LoadMonitor:
             # the gateway itself stalled (GC, CPU starvation): silence we measured is ours, not theirs
             self.stall_forgiven_s += stall
         judged: list[tuple[WorkerRecord, HeartbeatDetector]] = []
-        silences: dict[str, Silence] = {}
         for rec in self.workers.values():
-            if rec.state not in health.ALIVE_STATES:
-                continue
-            det = self._detector_of(rec)
-            det.forgive(stall)
-            judged.append((rec, det))
+            if rec.state in health.ALIVE_STATES:
+                det = self._detector_of(rec)
+                det.forgive(stall)
+                judged.append((rec, det))
+        # pauses the other workers showed lately count for each (they stall together on a busy host)
+        dets = [det for _, det in judged]
+        excess = fd.host_pause(dets, now, 0.0)
+        silences: dict[str, Silence] = {}
+        for rec, det in judged:
+            peers = det.params.interval_s + excess
             silences[rec.id] = Silence(
-                rec.state, det.silence(now), det.thresholds(), det.probe(now), self._probeable(rec)
+                rec.state, det.silence(now), det.thresholds(now, peers), det.probe(now), self._probeable(rec)
             )
         verdicts = fd.silence_verdicts(silences, self.correlated_grace_s)
         for rec, det in judged:
