@@ -36,8 +36,8 @@ def test_detect_bench_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {"kill:0", "stop:0", "false:load"}
+    assert set(runs) == {"kill:0", "stop:0", "false:load/0.1min"}
     assert runs["kill:0"]["trials"] == 1 and runs["stop:0"]["latencies_s"][0] > 0
-    assert runs["false:load"]["load"]["ok"] > 0
+    assert runs["false:load/0.1min"]["load"]["ok"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "SIGSTOP → FAILED" in proc.stdout
