@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
@@ -231,20 +230,23 @@ class ServerExit:
     uptime_s: float
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec hook that makes the child get SIGKILL when the agent dies (Linux), else None."""
+# Run in a fresh interpreter just before the server's own exec: the child gets SIGKILL when the agent
+# dies (Linux), and exits at once if the agent is gone already. Not a preexec_fn: the agent process has
+# threads (gRPC, ZMQ's authenticator), and Python code between fork and exec in such a process can
+# crash the child (seen: a segfault in threading._after_fork).
+_PARENT_DEATH_WRAPPER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def with_parent_death(command: list[str]) -> list[str]:
+    """`command`, made to die with this process where Linux allows it."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-    return hook
+        return command
+    return [sys.executable, "-c", _PARENT_DEATH_WRAPPER, str(os.getpid()), *command]
 
 
 class ServerProcess:
@@ -343,13 +345,12 @@ class ServerProcess:
         """Start one server process (the only place one is started)."""
         out = self.output if self.output is not None else sys.stderr.fileno()
         self.proc = await asyncio.create_subprocess_exec(
-            *self.command,
+            *with_parent_death(self.command),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=out,
             stderr=out,
             env=self.env,
             start_new_session=True,  # its own process group: the whole server is killed together
-            preexec_fn=_die_with_parent(),
         )
         self.starts += 1
         self._started_at = time.monotonic()
