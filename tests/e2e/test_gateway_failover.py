@@ -80,6 +80,7 @@ def test_a_gateway_killed_mid_stream_loses_no_token(tmp_path: Path, kill_worker:
         assert adopted == len(reqs)  # every worker alive: every request taken over where it ran
 
 
+@pytest.mark.slow  # ~15-25 s of real processes; the main gateway-kill test stays in the default run
 def test_a_fault_schedule_kills_a_gateway_and_the_load_resumes_elsewhere(tmp_path: Path) -> None:
     """`kill-gateway:0@T` from a fault schedule (FaultRunner), clients spread over both gateways."""
     from loadtests.faults import FaultRunner, FaultSchedule
@@ -106,6 +107,7 @@ def test_a_fault_schedule_kills_a_gateway_and_the_load_resumes_elsewhere(tmp_pat
 
 
 
+@pytest.mark.slow  # ~15-25 s of real processes; the main gateway-kill test stays in the default run
 def test_two_gateways_recover_one_worker_failure_each_for_its_own(tmp_path: Path) -> None:
     """A worker dies under two gateways' load: each gateway resumes its own requests, each once, and no
     holder's store ever exceeds its budget though both gateways assign holders at once."""
