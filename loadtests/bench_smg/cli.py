@@ -23,12 +23,15 @@ With `--lumen-gateways 1,2` Lumen is measured twice, side by side with the rest:
 --shared-port`: two gateway processes accepting on one port with SO_REUSEPORT, its own workers of the
 same configuration; direct and SMG use the first cluster's workers). Each step's progress line gives the
 achieved rate, TTFT p99, and how many cores the machine and the gateway kept busy.
+On a shared machine, `--wait-quiet CORES` holds each step until the whole machine's busy cores (over
+1 s) fall to CORES; the busy cores just before and during each step are in the report.
 
 SMG's paths are probed first (one tiny streamed request each); a path that fails is not measured and
 the probe's reply is recorded. Paths alternate (rotating order per rate and repeat) so they share
 machine state. Reported per path and rate: TTFT and TPOT p50/p99, added latency vs the path's
 baseline, errors, offered and achieved rate, and gateway CPU seconds per 1,000 requests (from /proc:
-the cluster process for Lumen, the SMG process), raw and net of the process's idle CPU rate measured
+Lumen's gateway processes, not the cluster process that supervises them;
+the SMG process), raw and net of the process's idle CPU rate measured
 while other paths ran. The tables go to stdout and to `--out` with the suffix `.md`, the plot (achieved
 rate and TTFT p99 against the offered rate, per path) to `--plot` or beside `--out` as `.png`.
 """
