@@ -29,7 +29,7 @@ import structlog
 
 from gateway.cluster.procs import stop_processes
 from gateway.config import Config
-from gateway.protocol.secrets import TOKEN_ENV, default_token_path, generate_token, write_token_file
+from gateway.protocol.secrets import TOKEN_ENV
 
 log = structlog.get_logger("lumen.fleet")
 
@@ -145,28 +145,6 @@ class GatewayFleet:
             log.warning("gateway_exited", index=g.index, returncode=rc, restart=True)
             await asyncio.sleep(RESTART_PAUSE_S)
             await self._spawn(g)
-
-
-def with_cluster_token(config: Config) -> Config:
-    """The fleet's config with a control token (one generated when none is configured)."""
-    import dataclasses
-
-    if config.gateway.control_token:
-        return config
-    g = dataclasses.replace(config.gateway, control_token=generate_token())
-    return dataclasses.replace(config, gateway=g)
-
-
-def publish_cluster_token(config: Config, control_port: int) -> Path:
-    """Write the token (0600) where `lumen worker` on this host looks for the first gateway's."""
-    path = (
-        Path(config.gateway.control_token_file)
-        if config.gateway.control_token_file
-        else default_token_path(control_port)
-    )
-    write_token_file(path, config.gateway.control_token)
-    log.info("control_token_file", file=str(path))
-    return path
 
 
 async def healthy_everywhere(urls: list[str], want: int, timeout_s: float, stop: asyncio.Event) -> bool:

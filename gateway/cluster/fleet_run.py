@@ -14,10 +14,11 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from gateway.cluster.fleet import GatewayFleet, healthy_everywhere, publish_cluster_token, with_cluster_token
+from gateway.cluster.fleet import GatewayFleet, healthy_everywhere
 from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
 from gateway.config import Config
 from gateway.server.api.tokenizer import make_tokenizer
+from gateway.server.control_secret import publish_token, with_control_token
 from gateway.server.runner import announce, stop_event
 
 log = structlog.get_logger("lumen.runner")
@@ -35,11 +36,11 @@ async def run_fleet(
     stop = stop_event()
     logs = log_dir or Path(tempfile.mkdtemp(prefix="lumen-cluster-"))
     logs.mkdir(parents=True, exist_ok=True)
-    config = with_cluster_token(config)
+    config, _ = with_control_token(config)  # one token for every gateway (a generated one if none)
     fleet = GatewayFleet(
         config, config_args, gateways=gateways, port=config.gateway.port, shared_port=shared_port, log_dir=logs
     )
-    token_file = publish_cluster_token(config, fleet.gateways[0].control_port)
+    token_file = publish_token(config.gateway, fleet.gateways[0].control_port)
     cluster: LocalCluster | None = None
     try:
         await fleet.start()

@@ -1,7 +1,6 @@
-"""Foreground runner for `lumen cluster up`: the gateway plus supervised workers, until a signal.
-
-Workers are Lumen's own (`LocalCluster`) or, with `sglang` given, SGLang servers beside their sidecar
-agents (`SGLangCluster`). The ready line also carries the gateway's start on `time.monotonic()`
+"""Foreground runner for `lumen cluster up --engine sglang`: one gateway in this process plus SGLang
+servers beside their supervised sidecar agents (`SGLangCluster`), until a signal. Lumen's own workers
+run under a supervisor that serves nothing (fleet_run.py). The ready line also carries the gateway's start on `time.monotonic()`
 (`started_at_monotonic`): `/admin/events` times are relative to it, so a test on the same Linux host
 can put a worker's events (agents print theirs on the same clock) and the gateway's on one line.
 """
@@ -15,7 +14,6 @@ from pathlib import Path
 import structlog
 
 from gateway.cluster.sglang import SGLangCluster, SGLangLaunch, agent_specs
-from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
 from gateway.config import Config
 from gateway.server.app import Gateway
 from gateway.server.runner import announce, stop_event
@@ -30,47 +28,34 @@ async def run_cluster(
     *,
     log_dir: Path | None = None,
     ready_timeout_s: float | None = None,
-    sglang: SGLangLaunch | None = None,
+    sglang: SGLangLaunch,
 ) -> None:
     stop = stop_event()
     logs = log_dir or Path(tempfile.mkdtemp(prefix="lumen-cluster-"))
-    cluster: LocalCluster | SGLangCluster | None = None
+    cluster: SGLangCluster | None = None
     gw = Gateway(config)
     config = gw.config  # with the control token the gateway generated when none was configured
     await gw.start()
     try:
         control = f"{config.gateway.control_host}:{gw.control_port}"
-        if sglang is None:
-            tokens = synthetic_token_range(config.tokenizer.kind, gw.tokenizer.vocab_size)
-            specs = worker_specs(config, control, tokens)
-            cluster = LocalCluster(
-                specs,
-                log_dir=logs,
-                restart_killed=config.cluster.restart_killed,
-                hung_restart_grace_s=config.cluster.hung_restart_grace_s,
-            )
-            cluster.follow(gw.monitor)  # hung workers (FAILED by silence) are killed and restarted
-            n = len(specs)
-            timeout_s = 60.0 if ready_timeout_s is None else ready_timeout_s
-        else:
-            agents = agent_specs(
-                sglang,
-                control,
-                default_workers=config.cluster.workers,
-                failure_domains=config.cluster.failure_domains,
-                restart=config.cluster.restart_killed,
-                log_level=config.gateway.log_level,
-                stop_grace_s=config.timeouts.shutdown_grace_s,
-            )
-            cluster = SGLangCluster(
-                agents,
-                log_dir=logs,
-                control_token=config.gateway.control_token,
-                control_ca=config.gateway.control_tls_cert,
-                restart_agents=config.cluster.restart_killed,
-            )
-            n = len(agents)
-            timeout_s = SGLANG_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
+        agents = agent_specs(
+            sglang,
+            control,
+            default_workers=config.cluster.workers,
+            failure_domains=config.cluster.failure_domains,
+            restart=config.cluster.restart_killed,
+            log_level=config.gateway.log_level,
+            stop_grace_s=config.timeouts.shutdown_grace_s,
+        )
+        cluster = SGLangCluster(
+            agents,
+            log_dir=logs,
+            control_token=config.gateway.control_token,
+            control_ca=config.gateway.control_tls_cert,
+            restart_agents=config.cluster.restart_killed,
+        )
+        n = len(agents)
+        timeout_s = SGLANG_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
         gw.fault_injector = cluster
         await cluster.start()
         ready = await _wait_healthy(gw, n, timeout_s, stop)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from gateway.cluster.procs import stop_processes
 from gateway.config import Config, draft_for, recovery_policy
 from gateway.core.detector import SILENCE_REASON
 from gateway.core.health import WorkerState
+from gateway.protocol.faults import FAULT_SIGNALS
 from gateway.protocol.launch import EngineSpec, worker_env
 from gateway.server.api.errors import NotFound
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
@@ -40,15 +40,6 @@ from gateway.server.workers.monitor import LoadMonitor, StateEvent
 log = structlog.get_logger("lumen.cluster")
 
 
-# each of gateway.protocol.faults.SIGNAL_MODES as the signal that carries it (tests check they agree)
-FAULT_SIGNALS = {
-    "kill": signal.SIGKILL,
-    "hang": signal.SIGSTOP,
-    "resume": signal.SIGCONT,
-    "stall": signal.SIGUSR1,
-    "unstall": signal.SIGUSR2,
-    "term": signal.SIGTERM,
-}
 
 
 @dataclass(slots=True)

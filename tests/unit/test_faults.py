@@ -242,8 +242,7 @@ def test_resolution_properties(loads: list[tuple[int, int, bool]], targets: list
 
 def test_the_supervisor_has_a_signal_for_every_signal_fault() -> None:
     """The admin API's fault vocabulary (gateway/protocol/faults.py) and the supervisor's signals agree."""
-    from gateway.cluster.supervisor import FAULT_SIGNALS
-    from gateway.protocol.faults import FAULT_MODES, SIGNAL_MODES, SPEED_MODES
+    from gateway.protocol.faults import FAULT_MODES, FAULT_SIGNALS, SIGNAL_MODES, SPEED_MODES
 
     assert tuple(FAULT_SIGNALS) == SIGNAL_MODES
     assert set(FAULT_MODES) == set(SIGNAL_MODES) | set(SPEED_MODES)
