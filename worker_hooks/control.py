@@ -35,6 +35,9 @@ log = structlog.get_logger(__name__)
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 1.0
 WELCOME_TIMEOUT_S = 5.0
+# a heartbeat that could not be written (the gateway finished the call) waits this long for the read
+# side to deliver what the gateway said last: a fenced stream's Refuse is written just before its end
+LAST_WORD_TIMEOUT_S = 1.0
 
 
 class SessionEnded(Exception):
@@ -216,7 +219,11 @@ class ControlClient:
                     asyncio.create_task(self._ended(end)),
                 ]
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
+                beats, dispatch, ended = tasks
+                if beats in done and dispatch not in done and ended not in done:
+                    await asyncio.wait({dispatch}, timeout=LAST_WORD_TIMEOUT_S)
+                # the gateway's last word (a Refuse) first: it decides whether this incarnation resets
+                for t in sorted(done | {t for t in tasks if t.done()}, key=lambda t: t is not dispatch):
                     try:
                         t.result()  # re-raise what ended the session
                     except asyncio.InvalidStateError as exc:

@@ -20,6 +20,19 @@ from tests.e2e.conftest import (
 LUMEN = {"engine.page_size": 16, "checkpoint.payload_scale": 0.001}
 
 
+def streamed(ws: list[dict[str, Any]], pages_per_request: int) -> bool:
+    """Whether every worker running requests has sent `pages_per_request` pages per request to holders."""
+    held = [w for w in ws if w["ckpt_tokens"]]
+    if not held:
+        return False
+    bytes_per_token = max(w["ckpt_bytes"] / w["ckpt_tokens"] for w in held)
+    page = LUMEN["engine.page_size"] * bytes_per_token
+    busy = [w for w in ws if w["state"] == "HEALTHY" and w["running"]]
+    return bool(busy) and all(
+        w["ckpt_bytes_sent_total"] >= w["running"] * pages_per_request * page for w in busy
+    )
+
+
 async def settle_to_zero(url: str) -> list[dict[str, Any]]:
     """Every holder's store must drain to zero once all requests have finished."""
     return await wait_for(
@@ -34,7 +47,9 @@ async def test_kill_in_lumen_mode_restores_on_holders(cluster_factory) -> None:
     c = cluster_factory(workers=3, mode="lumen", **LUMEN, **{"recovery.tau": 0})
     reqs = make_requests(40, seed=21, min_out=150, max_out=250)
     load = asyncio.create_task(run_requests(c.url, reqs))
-    await wait_for(c.url, lambda ws: sum(w["ckpt_tokens"] for w in ws) > 2000, 20, "checkpoints to build up")
+    # every serving worker (the victim among them) has streamed a few pages per running request: a
+    # kill in the middle of the first prefill leaves nothing to restore, which is right but not tested here
+    await wait_for(c.url, lambda ws: streamed(ws, pages_per_request=4), 20, "checkpoints to build up")
     killed = await kill_busiest(c.url, "kill", min_running=5)
     results = await load
     assert_exact(results)

@@ -8,7 +8,6 @@ zombie that it is no longer trusted, so it resets and re-attaches as a new incar
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import uuid
 from collections.abc import Callable
@@ -35,7 +34,7 @@ class ControlService(pb_grpc.ControlServicer):
         self.token = token
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.gateway_id = uuid.uuid4().hex[:12]
-        self.outboxes: dict[str, asyncio.Queue[pb.GatewayMessage]] = {}
+        self.outboxes: dict[str, asyncio.Queue[pb.GatewayMessage | None]] = {}
         # called after the monitor has taken each heartbeat (the checkpoint manager listens)
         self.heartbeat_hooks: list[Callable[[WorkerRecord, pb.Heartbeat], None]] = []
         # called once a worker is welcomed and `send` reaches it (the reload coordinator listens)
@@ -91,7 +90,7 @@ class ControlService(pb_grpc.ControlServicer):
                 ),
             )
         )
-        outbox: asyncio.Queue[pb.GatewayMessage] = asyncio.Queue()
+        outbox: asyncio.Queue[pb.GatewayMessage | None] = asyncio.Queue()
         self.outboxes[rec.id] = outbox
         self.send(rec.id, self.members_message())  # its first command: who its peers are
         for hook in self.attach_hooks:
@@ -107,6 +106,20 @@ class ControlService(pb_grpc.ControlServicer):
             reason = "fenced by the gateway" if fenced in done else "control stream ended"
             if reader in done and reader.exception() is not None:
                 reason = f"control stream broke: {reader.exception()!r}"
+            if fenced in done and not writer.done():
+                # say so before the stream ends: a fenced worker drops what it ran for us and comes
+                # back as a new incarnation, while a stream that merely ends (this gateway restarting)
+                # does not make it reset (its requests stay adoptable, other gateways keep theirs).
+                # The notice goes through the writer: a gRPC stream takes one write at a time, and a
+                # write cancelled in flight leaves its operation pending, failing any later one.
+                while not outbox.empty():  # commands not yet sent are void for a fenced incarnation
+                    outbox.get_nowait()
+                notice = pb.Refuse(
+                    reason=f"fenced: incarnation {rec.incarnation} was declared {rec.state.value}"
+                )
+                outbox.put_nowait(pb.GatewayMessage(incarnation=rec.incarnation, refuse=notice))
+                outbox.put_nowait(None)  # then the writer ends
+                await asyncio.wait({writer}, timeout=FENCE_NOTICE_TIMEOUT_S)  # it may be hung
         finally:
             for t in (reader, writer, fenced):
                 t.cancel()
@@ -114,14 +127,6 @@ class ControlService(pb_grpc.ControlServicer):
             if self.outboxes.get(rec.id) is outbox:
                 del self.outboxes[rec.id]
             self.monitor.detach(rec, "control stream ended")
-        if fenced in done:
-            # say so before the stream ends: a fenced worker drops what it ran for us and comes back
-            # as a new incarnation, while a stream that merely ends (this gateway restarting) does
-            # not make it reset (its requests stay adoptable, and other gateways keep theirs)
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(FENCE_NOTICE_TIMEOUT_S):
-                    notice = pb.Refuse(reason=f"fenced: incarnation {rec.incarnation} was declared {rec.state.value}")
-                    await context.write(pb.GatewayMessage(incarnation=rec.incarnation, refuse=notice))
         log.info("detached", worker=rec.id, incarnation=rec.incarnation, reason=reason)
 
     # -- plane membership -------------------------------------------------------------------------
@@ -173,10 +178,9 @@ class ControlService(pb_grpc.ControlServicer):
                 log.warning("unexpected_worker_message", worker=rec.id, kind=msg.WhichOneof("body"))
 
     async def _write_loop(
-        self, context: aio.ServicerContext, outbox: asyncio.Queue[pb.GatewayMessage]
+        self, context: aio.ServicerContext, outbox: asyncio.Queue[pb.GatewayMessage | None]
     ) -> None:
-        while True:
-            msg = await outbox.get()
+        while (msg := await outbox.get()) is not None:
             await context.write(msg)
 
 
