@@ -74,7 +74,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gateway.cluster.run import run_cluster
+    from gateway.cluster.fleet_run import run_fleet
     from gateway.server.logs import configure_logging
 
     extra: dict[str, Any] = {"gateway.port": args.port, "gateway.control_port": 0}
@@ -93,26 +93,31 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
             extra["tokenizer.path"] = str(Path(args.model) / "tokenizer.json")
     elif args.tail or args.model or args.tp is not None:
         raise _usage("--model, --tp and arguments after -- are for --engine sglang")
-    if sglang is not None and (args.gateways != 1 or args.shared_port):
-        raise _usage("--gateways and --shared-port are for Lumen's workers (--engine lumen) for now")
     cfg = _load(args, extra)
     configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
     log_dir = Path(args.log_dir) if args.log_dir else None
-    if sglang is not None:
-        _run(run_cluster(cfg, log_dir=log_dir, sglang=sglang))
-        return 0
-    from gateway.cluster.fleet_run import run_fleet
-
     if args.gateways < 1:
         raise _usage("--gateways must be at least 1")
     # the gateways load the configuration as this command did (their ports are the supervisor's)
-    config_args = [*(["--config", args.config] if args.config else []), *(["--mode", args.mode] if args.mode else [])]
+    config_args = [
+        *(["--config", args.config] if args.config else []),
+        *(["--mode", args.mode] if args.mode else []),
+    ]
     for item in args.set:
         config_args += ["--set", item]
     for key, value in extra.items():
         if key not in ("gateway.port", "gateway.control_port"):
             config_args += ["--set", f"{key}={json.dumps(value)}"]
-    _run(run_fleet(cfg, config_args, gateways=args.gateways, shared_port=args.shared_port, log_dir=log_dir))
+    _run(
+        run_fleet(
+            cfg,
+            config_args,
+            gateways=args.gateways,
+            shared_port=args.shared_port,
+            log_dir=log_dir,
+            sglang=sglang,
+        )
+    )
     return 0
 
 
@@ -308,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="gateway control plane host:port (repeat it for each gateway of the cluster)",
     )
     p.add_argument(
-        "--control-ca", default="", help="PEM the control plane's TLS certificate chains to (LUMEN_CONTROL_CA)"
+        "--control-ca",
+        default="",
+        help="PEM the control plane's TLS certificate chains to (LUMEN_CONTROL_CA)",
     )
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--model", default="Qwen3-32B", help="cost-model preset")
@@ -338,10 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--gateways", type=int, default=1, help="gateway processes, on --port … --port+N-1 (each worker attaches to all)"
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes, on --port … --port+N-1 (each worker attaches to all)",
     )
     p.add_argument(
-        "--shared-port", action="store_true", help="all gateways accept on --port (SO_REUSEPORT): every core serves"
+        "--shared-port",
+        action="store_true",
+        help="all gateways accept on --port (SO_REUSEPORT): every core serves",
     )
     p.add_argument("--backend", choices=list(Backend))
     p.add_argument("--time-scale", type=float)

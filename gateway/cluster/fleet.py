@@ -117,7 +117,9 @@ class GatewayFleet:
         return argv
 
     async def _spawn(self, g: GatewayProcess) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", LUMEN_LOCAL_FAULTS="1", LUMEN_PARENT_PID=str(os.getpid()))
+        env = dict(
+            os.environ, PYTHONUNBUFFERED="1", LUMEN_LOCAL_FAULTS="1", LUMEN_PARENT_PID=str(os.getpid())
+        )
         env[TOKEN_ENV] = self.config.gateway.control_token
         g.up.clear()
         with g.log_path.open("ab") as logf:

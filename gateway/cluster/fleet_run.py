@@ -1,4 +1,6 @@
-"""Foreground runner for `lumen cluster up` with Lumen's workers: supervisor, N gateways, W workers.
+"""Foreground runner for `lumen cluster up`: a supervisor that serves nothing, N gateway processes,
+and W workers attached to every gateway — Lumen's own workers, or (`--engine sglang`) SGLang servers
+beside their sidecar agents (gateway/cluster/sglang.py), which the agents start and restart.
 
 The ready line (one JSON object on stdout) gives the first gateway's `url` and `control_port` as
 before, every gateway's in `urls` / `control_ports` / `gateway_pids`, and the first gateway's start on
@@ -15,6 +17,7 @@ import msgspec
 import structlog
 
 from gateway.cluster.fleet import GatewayFleet, healthy_everywhere
+from gateway.cluster.sglang import SGLangCluster, SGLangLaunch, agent_specs
 from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
 from gateway.config import Config
 from gateway.server.api.tokenizer import make_tokenizer
@@ -22,6 +25,8 @@ from gateway.server.control_secret import publish_token, with_control_token
 from gateway.server.runner import announce, stop_event
 
 log = structlog.get_logger("lumen.runner")
+
+SGLANG_READY_TIMEOUT_S = 1800.0  # a real model takes minutes to load
 
 
 async def run_fleet(
@@ -31,36 +36,70 @@ async def run_fleet(
     gateways: int = 1,
     shared_port: bool = False,
     log_dir: Path | None = None,
-    ready_timeout_s: float = 60.0,
+    ready_timeout_s: float | None = None,
+    sglang: SGLangLaunch | None = None,
 ) -> None:
     stop = stop_event()
     logs = log_dir or Path(tempfile.mkdtemp(prefix="lumen-cluster-"))
     logs.mkdir(parents=True, exist_ok=True)
     config, _ = with_control_token(config)  # one token for every gateway (a generated one if none)
     fleet = GatewayFleet(
-        config, config_args, gateways=gateways, port=config.gateway.port, shared_port=shared_port, log_dir=logs
+        config,
+        config_args,
+        gateways=gateways,
+        port=config.gateway.port,
+        shared_port=shared_port,
+        log_dir=logs,
     )
     token_file = publish_token(config.gateway, fleet.gateways[0].control_port)
-    cluster: LocalCluster | None = None
+    cluster: LocalCluster | SGLangCluster | None = None
+    watcher: asyncio.Task[None] | None = None
     try:
         await fleet.start()
         first, *more = fleet.control_addresses
-        tokens = synthetic_token_range(config.tokenizer.kind, make_tokenizer(config.tokenizer).vocab_size)
-        specs = [
-            msgspec.structs.replace(s, more_control_addresses=more) for s in worker_specs(config, first, tokens)
-        ]
-        cluster = LocalCluster(
-            specs,
-            log_dir=logs,
-            restart_killed=config.cluster.restart_killed,
-            hung_restart_grace_s=config.cluster.hung_restart_grace_s,
-        )
-        await cluster.start()
-        watcher = asyncio.create_task(cluster.follow_gateways(fleet.urls(), stop), name="hung-workers")
+        if sglang is None:
+            tokens = synthetic_token_range(config.tokenizer.kind, make_tokenizer(config.tokenizer).vocab_size)
+            specs = [
+                msgspec.structs.replace(s, more_control_addresses=more)
+                for s in worker_specs(config, first, tokens)
+            ]
+            local = LocalCluster(
+                specs,
+                log_dir=logs,
+                restart_killed=config.cluster.restart_killed,
+                hung_restart_grace_s=config.cluster.hung_restart_grace_s,
+            )
+            cluster, n = local, len(specs)
+            await local.start()
+            watcher = asyncio.create_task(local.follow_gateways(fleet.urls(), stop), name="hung-workers")
+        else:
+            agents = agent_specs(
+                sglang,
+                first,
+                more_control_addresses=more,
+                default_workers=config.cluster.workers,
+                failure_domains=config.cluster.failure_domains,
+                restart=config.cluster.restart_killed,
+                log_level=config.gateway.log_level,
+                stop_grace_s=config.timeouts.shutdown_grace_s,
+            )
+            cluster, n = (
+                SGLangCluster(
+                    agents,
+                    log_dir=logs,
+                    control_token=config.gateway.control_token,
+                    control_ca=config.gateway.control_tls_cert,
+                    restart_agents=config.cluster.restart_killed,
+                ),
+                len(agents),
+            )
+            await cluster.start()
+        if ready_timeout_s is None:
+            ready_timeout_s = 60.0 if sglang is None else SGLANG_READY_TIMEOUT_S
         urls = fleet.urls()
-        ready = await healthy_everywhere(urls, len(specs), ready_timeout_s, stop)
+        ready = await healthy_everywhere(urls, n, ready_timeout_s, stop)
         if not ready:
-            log.error("cluster_not_ready", want=len(specs), logs=str(logs))
+            log.error("cluster_not_ready", want=n, logs=str(logs))
         g0 = fleet.gateways[0]
         announce(
             {
@@ -70,18 +109,19 @@ async def run_fleet(
                 "control_port": g0.control_port,
                 "control_ports": [g.control_port for g in fleet.gateways],
                 "gateway_pids": [g.proc.pid if g.proc else 0 for g in fleet.gateways],
-                "workers": len(specs),
-                "healthy_workers": len(specs) if ready else 0,
+                "workers": n,
+                "healthy_workers": n if ready else 0,
                 "gateways": gateways,
                 "mode": config.recovery.mode,
-                "engine": "lumen",
+                "engine": "lumen" if sglang is None else "sglang",
                 "logs": str(logs),
                 "started_at_monotonic": g0.ready.get("started_at_monotonic", 0.0),
             }
         )
         await stop.wait()
-        watcher.cancel()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         log.info("cluster_stopping")
         await fleet.stop(config.timeouts.shutdown_grace_s)
         if cluster is not None:

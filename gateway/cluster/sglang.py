@@ -28,19 +28,14 @@ from pathlib import Path
 import structlog
 
 from gateway.cluster.procs import stop_processes
+from gateway.protocol.faults import FAULT_SIGNALS, SERVER_SIGNAL_MODES
 from gateway.protocol.launch import GATEWAY_SECRETS_ENV
 from gateway.server.api.errors import InvalidRequest, NotFound
 
 log = structlog.get_logger("lumen.cluster")
 
-# the faults that make sense for an SGLang server (stall/unstall are Lumen-engine signals: SIGUSR1
-# would simply kill an SGLang server)
-SERVER_SIGNALS = {
-    "kill": signal.SIGKILL,
-    "hang": signal.SIGSTOP,
-    "resume": signal.SIGCONT,
-    "term": signal.SIGTERM,
-}
+# the faults that make sense for an SGLang server, each with the signal that carries it
+SERVER_SIGNALS = {mode: FAULT_SIGNALS[mode] for mode in SERVER_SIGNAL_MODES}
 AGENT_MODULE = "worker_hooks.sglang"
 AGENT_STOP_SLACK_S = 5.0  # an agent's own shutdown, on top of its server's grace
 
@@ -110,6 +105,7 @@ def agent_specs(
     launch: SGLangLaunch,
     control_address: str,
     *,
+    more_control_addresses: Sequence[str] = (),
     default_workers: int,
     failure_domains: int = 1,
     restart: bool = True,
@@ -118,7 +114,8 @@ def agent_specs(
     stop_grace_s: float = 5.0,
 ) -> list[AgentSpec]:
     """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: a stand-in
-    launcher) `launch.workers` or `default_workers` agents, devices left alone."""
+    launcher) `launch.workers` or `default_workers` agents, devices left alone. Every agent attaches
+    to `control_address` and each of `more_control_addresses` (one per gateway)."""
     if launch.gpus is None:
         groups: list[tuple[str, ...] | None] = [None] * (launch.workers or default_workers)
     else:
@@ -129,6 +126,7 @@ def agent_specs(
         url = f"http://{host}:{free_port(host)}"
         argv = [
             *("--url", url, "--gateway", control_address, "--id", wid, "--model", launch.model),
+            *(a for more in more_control_addresses for a in ("--gateway", more)),
             *("--failure-domain", f"d{i % max(1, failure_domains)}", "--log-level", log_level),
             *("--stop-grace-s", f"{stop_grace_s:g}", "--launch"),
             *(() if restart else ("--no-restart",)),
@@ -218,7 +216,9 @@ class SGLangCluster:
         # the agent gets the control token (and the CA of a TLS control plane) in its environment,
         # never the gateway's client and admin keys
         env = {k: v for k, v in os.environ.items() if k not in GATEWAY_SECRETS_ENV}
-        env.update(LUMEN_PARENT_PID=str(os.getpid()), LUMEN_CONTROL_TOKEN=self.control_token, PYTHONUNBUFFERED="1")
+        env.update(
+            LUMEN_PARENT_PID=str(os.getpid()), LUMEN_CONTROL_TOKEN=self.control_token, PYTHONUNBUFFERED="1"
+        )
         if self.control_ca:
             env["LUMEN_CONTROL_CA"] = self.control_ca
         if ap.spec.gpus is not None:

@@ -40,8 +40,6 @@ from gateway.server.workers.monitor import LoadMonitor, StateEvent
 log = structlog.get_logger("lumen.cluster")
 
 
-
-
 @dataclass(slots=True)
 class WorkerProcess:
     spec: EngineSpec

@@ -85,7 +85,7 @@ class DraftStats(_message.Message):
     def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total", "ckpt_bytes_sent_total", "ckpt_pages_evicted_total", "restores_total", "reload_seconds", "reload_source", "reload_seed", "awaiting_seed")
+    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total", "ckpt_bytes_sent_total", "ckpt_pages_evicted_total", "restores_total", "reload_seconds", "reload_source", "reload_seed", "awaiting_seed", "pid")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class Heartbeat(_message.Message):
     RELOAD_SOURCE_FIELD_NUMBER: _ClassVar[int]
     RELOAD_SEED_FIELD_NUMBER: _ClassVar[int]
     AWAITING_SEED_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     seq: int
     phase: Phase
     running: int
@@ -124,7 +125,8 @@ class Heartbeat(_message.Message):
     reload_source: str
     reload_seed: str
     awaiting_seed: bool
-    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ..., ckpt_bytes_sent_total: _Optional[int] = ..., ckpt_pages_evicted_total: _Optional[int] = ..., restores_total: _Optional[int] = ..., reload_seconds: _Optional[float] = ..., reload_source: _Optional[str] = ..., reload_seed: _Optional[str] = ..., awaiting_seed: _Optional[bool] = ...) -> None: ...
+    pid: int
+    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ..., ckpt_bytes_sent_total: _Optional[int] = ..., ckpt_pages_evicted_total: _Optional[int] = ..., restores_total: _Optional[int] = ..., reload_seconds: _Optional[float] = ..., reload_source: _Optional[str] = ..., reload_seed: _Optional[str] = ..., awaiting_seed: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "heartbeat")

@@ -13,6 +13,10 @@ SIGNAL_MODES = ("kill", "hang", "resume", "stall", "unstall", "term")
 # undoes it. A worker restarted by the supervisor starts at normal speed.
 SPEED_MODES = ("slow", "normal")
 FAULT_MODES = (*SIGNAL_MODES, *SPEED_MODES)
+# the modes that apply to an engine other than Lumen's own (an SGLang server): stall/unstall are
+# Lumen-engine signals (SIGUSR1 would simply kill an SGLang server), and speed faults need Lumen's
+# `/lumen/fault` endpoint
+SERVER_SIGNAL_MODES = ("kill", "hang", "resume", "term")
 SLOWDOWN_RANGE = (1.0, 1000.0)  # a factor below 1 would be a speed-up; far beyond, a stall models it
 
 # each of SIGNAL_MODES as the signal that carries it to a local worker process (a test checks they agree)

@@ -64,7 +64,11 @@ class AdminAPI:
         """This gateway process: its pid (for a local cluster's kill-gateway fault) and clock."""
         require_admin(request, self.gw.config.gateway.admin_api_keys)
         return web.json_response(
-            {"pid": os.getpid(), "now": round(time.monotonic() - self.gw.started_at, 4), "http_port": self.gw.http_port}
+            {
+                "pid": os.getpid(),
+                "now": round(time.monotonic() - self.gw.started_at, 4),
+                "http_port": self.gw.http_port,
+            }
         )
 
     async def workers(self, request: web.Request) -> web.Response:

@@ -60,7 +60,6 @@ from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 log = structlog.get_logger("lumen.sessions")
 
 
-
 class SessionManager:
     """Implements `jobs.Generator` for the HTTP API."""
 
@@ -216,7 +215,9 @@ class SessionManager:
             path="/lumen/adopt",
         )
         try:
-            async for delta in self._stream(s, worker, stream, at.wrid, on_open=lambda: self._resumed(s, "adopt", at)):
+            async for delta in self._stream(
+                s, worker, stream, at.wrid, on_open=lambda: self._resumed(s, "adopt", at)
+            ):
                 yield delta
         except WorkerRefused as exc:  # 404: no longer there; 409: another incarnation
             self._resumed(s, "replay", at, f"adoption refused ({exc.status})")

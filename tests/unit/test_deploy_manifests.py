@@ -440,7 +440,6 @@ def check_gateway_cli(c: Container, argv: list[str], monkeypatch: pytest.MonkeyP
     (the server itself is not started)."""
     import gateway.cli as cli
     import gateway.cluster.fleet_run as fleet_run
-    import gateway.cluster.run as cluster_run
     import gateway.server.logs as logs
     import gateway.server.runner as runner
     from gateway.config import parse_set
@@ -487,7 +486,6 @@ def check_gateway_cli(c: Container, argv: list[str], monkeypatch: pytest.MonkeyP
     started: list[Any] = []
     monkeypatch.setattr(cli, "_run", lambda coro: started.append(coro))
     monkeypatch.setattr(runner, "run_gateway", lambda cfg: cfg)
-    monkeypatch.setattr(cluster_run, "run_cluster", lambda cfg, **kw: cfg)
     monkeypatch.setattr(fleet_run, "run_fleet", lambda cfg, *a, **kw: cfg)
     monkeypatch.setattr(logs, "configure_logging", lambda *a, **kw: None)
     with captured() as err:

@@ -277,7 +277,7 @@ def test_the_gateway_process_never_loads_the_worker_side() -> None:
     """What `lumen gateway` and `lumen cluster up` import, statically (lazy imports included) and at run
     time: no torch, sglang, worker_hooks, draft_models or models."""
     graph = module_graph(runtime_only=False)
-    seen, todo = set(), ["gateway.server.runner", "gateway.cluster.run", "gateway.config"]
+    seen, todo = set(), ["gateway.server.runner", "gateway.cluster.fleet_run", "gateway.config"]
     while todo:
         m = todo.pop()
         if m not in seen:
@@ -288,7 +288,7 @@ def test_the_gateway_process_never_loads_the_worker_side() -> None:
         for imp in imports_of(source_modules()[m], m):
             assert imp.target.split(".")[0] not in GATEWAY_PROCESS_FORBIDDEN, f"{m} imports {imp.target}"
     code = (
-        "import sys, gateway.server.runner, gateway.cluster.run, gateway.cli\n"
+        "import sys, gateway.server.runner, gateway.cluster.fleet_run, gateway.cli\n"
         f"bad = [m for m in sys.modules if m.split('.')[0] in {GATEWAY_PROCESS_FORBIDDEN!r}]\n"
         "print(','.join(sorted(bad)))"
     )

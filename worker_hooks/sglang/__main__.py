@@ -237,10 +237,10 @@ async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool, sto
             await asyncio.gather(watchdog, return_exceptions=True)
 
 
-
 def _token(gateways: list[str]) -> str:
     port = gateways[0].rpartition(":")[2] if gateways else ""
     return resolve_token(dict(os.environ), int(port) if port.isdigit() else None)
+
 
 def main(argv: list[str] | None = None) -> int:
     args, tail = parse(list(sys.argv[1:] if argv is None else argv))

@@ -235,6 +235,7 @@ class SGLangRole:
             waiting=sum(r.num_waiting_reqs for r in ranks),
             kv_tokens_used=sum(r.num_used_tokens for r in ranks),
             awaiting_seed=self.sidecar.awaiting_seed,
+            pid=self.sidecar.server_pid or 0,  # a server relaunched within this session has a new one
         )
         held = self.sidecar.holder
         if held is not None:

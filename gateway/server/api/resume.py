@@ -68,13 +68,17 @@ def resume_point(
     if header is None:
         return None
     if not stream:
-        raise InvalidRequest(f"{LAST_EVENT_ID} resumes a stream: the request must have stream: true", param=LAST_EVENT_ID)
+        raise InvalidRequest(
+            f"{LAST_EVENT_ID} resumes a stream: the request must have stream: true", param=LAST_EVENT_ID
+        )
     try:
         pos = decode_position(key, header, request=request_digest(body), caller=caller_digest(caller))
     except StreamIdError as exc:
         raise InvalidRequest(str(exc), param=LAST_EVENT_ID, code="invalid_last_event_id") from exc
     if len(pos.choices) != n:
-        raise InvalidRequest(f"{LAST_EVENT_ID} has {len(pos.choices)} choices, the request {n}", param=LAST_EVENT_ID)
+        raise InvalidRequest(
+            f"{LAST_EVENT_ID} has {len(pos.choices)} choices, the request {n}", param=LAST_EVENT_ID
+        )
     return ResumePoint(pos)
 
 

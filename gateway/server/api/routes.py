@@ -271,7 +271,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     text = api.template.render(req.messages)
     # the template places BOS and other specials itself
     ids = await api.encode(text, add_special_tokens=False, param="messages")
-    rid, created = (resume.rid, resume.created) if resume else (f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+    rid, created = (
+        (resume.rid, resume.created) if resume else (f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+    )
     labels = _labels(request, "chat")
     choices = api.choices(
         rid, ids, req.sampling, req.stream, labels, n=req.n, logprobs=req.logprobs, resume=resume

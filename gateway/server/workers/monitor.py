@@ -172,6 +172,8 @@ class LoadMonitor:
         det.beat(now)
         rec.probe_gen += 1  # the silence is over: an answer to its probe means nothing now
         rec.heartbeats += 1
+        if hb.pid:  # an agent's server relaunched after the session's Hello
+            rec.pid = hb.pid
         rec.running = hb.running
         rec.waiting = hb.waiting
         rec.kv_tokens_used = hb.kv_tokens_used
