@@ -34,7 +34,8 @@ from gateway.protocol.draft import (
     decode_reply,
     encode_request,
 )
-from gateway.protocol.planes import PlaneAuth, RetryRefused, Security, curve_client
+from gateway.protocol.planes import PlaneAuth, Security, curve_client
+from gateway.protocol.zap import RetryRefused
 
 log = structlog.get_logger("lumen.draft.assist")
 

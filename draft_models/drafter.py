@@ -49,16 +49,8 @@ from gateway.protocol.draft import (
     encode_reply,
 )
 from gateway.protocol.generate import SamplingParams
-from gateway.protocol.planes import (
-    DRAFT_DOMAIN,
-    HandshakeWatch,
-    PlaneAuth,
-    RefusalLog,
-    Security,
-    ZapGuard,
-    curve_server,
-    user_id,
-)
+from gateway.protocol.planes import DRAFT_DOMAIN, PlaneAuth, RefusalLog, Security, curve_server, user_id
+from gateway.protocol.zap import HandshakeWatch, ZapGuard
 from models.synthetic import Sampler
 
 log = structlog.get_logger("lumen.draft.drafter")

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gateway.protocol.planes import plaintext_keyring  # noqa: E402
+from gateway.protocol.plane_file import plaintext_keyring  # noqa: E402
 from tests.fixtures.sglang_plugin_standins import check_run, close_run, decode_run  # noqa: E402
 from worker_hooks.sglang.plugin import MHA_LAYOUTS, MLA_LAYOUTS, KvReader  # noqa: E402
 

@@ -31,25 +31,26 @@ from gateway.config import load_config
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol import kv
 from gateway.protocol.launch import EngineSpec
-from gateway.protocol.planes import (
-    KEY_WAIT_S,
-    PLAINTEXT,
+from gateway.protocol.plane_file import (
     PLANE_FILE_ENV,
-    CurveKeypair,
     FileKeyring,
     FileMemberTable,
-    Member,
-    MemberTable,
-    PlaneAuth,
     PlaneFile,
-    PlaneSecurityError,
-    ZapGuard,
     auth_from_plane_file,
-    curve_client,
-    is_key,
     read_plane_file,
     write_plane_file,
 )
+from gateway.protocol.planes import (
+    PLAINTEXT,
+    CurveKeypair,
+    Member,
+    MemberTable,
+    PlaneAuth,
+    PlaneSecurityError,
+    curve_client,
+    is_key,
+)
+from gateway.protocol.zap import KEY_WAIT_S, ZapGuard
 from gateway.server.app import Gateway
 from worker_hooks.engine.service import Worker, start_worker
 from worker_hooks.kv.payload import page_bytes

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.protocol.pagekeys import namespace_seed, page_keys
-from gateway.protocol.planes import plaintext_keyring
+from gateway.protocol.plane_file import plaintext_keyring
 from gateway.protocol.sglang import (
     LUMEN_CHECKPOINT_ACTION,
     LumenCheckpoint,

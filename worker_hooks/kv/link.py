@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.protocol.kv import KvType, control_header, encode_header, pages_header
-from gateway.protocol.planes import KEY_POLL_S
+from gateway.protocol.zap import KEY_POLL_S
 
 log = structlog.get_logger("lumen.kv.link")
 Connect = Callable[[str], zmq.asyncio.Socket | None]

@@ -27,17 +27,8 @@ import zmq
 import zmq.asyncio
 
 from gateway.protocol.kv import KvHeader, KvProtocolError, KvType, decode
-from gateway.protocol.planes import (
-    KV_DOMAIN,
-    HandshakeWatch,
-    Member,
-    PlaneAuth,
-    RefusalLog,
-    Security,
-    ZapGuard,
-    curve_server,
-    user_id,
-)
+from gateway.protocol.planes import KV_DOMAIN, Member, PlaneAuth, RefusalLog, Security, curve_server, user_id
+from gateway.protocol.zap import HandshakeWatch, ZapGuard
 from worker_hooks.kv.store import CheckpointStore, HoldResult
 
 log = structlog.get_logger("lumen.kv.receiver")

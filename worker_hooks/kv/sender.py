@@ -27,7 +27,8 @@ import zmq
 import zmq.asyncio
 
 from gateway.protocol.kv import KvType
-from gateway.protocol.planes import PlaneAuth, RetryRefused, Security, curve_client
+from gateway.protocol.planes import PlaneAuth, Security, curve_client
+from gateway.protocol.zap import RetryRefused
 from worker_hooks.kv.link import Chunk, HolderLink, LinkStats
 
 

@@ -82,7 +82,8 @@ import zmq.asyncio
 
 from gateway.protocol import holder_status as hs
 from gateway.protocol.launch import Eviction
-from gateway.protocol.planes import Member, PlaneAuth, Security, auth_from_plane_file
+from gateway.protocol.plane_file import auth_from_plane_file
+from gateway.protocol.planes import Member, PlaneAuth, Security
 from worker_hooks.kv.receiver import StoreServer
 from worker_hooks.kv.sender import CheckpointSender
 from worker_hooks.kv.store import CheckpointStore, StoreStats

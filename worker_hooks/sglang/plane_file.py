@@ -23,15 +23,8 @@ from pathlib import Path
 import structlog
 
 from gateway.protocol import control_pb2 as pb
-from gateway.protocol.planes import (
-    PLANE_FILE_ENV,
-    CurveKeypair,
-    MemberTable,
-    PlaneFile,
-    PlaneSecurityError,
-    read_plane_file,
-    write_plane_file,
-)
+from gateway.protocol.plane_file import PLANE_FILE_ENV, PlaneFile, read_plane_file, write_plane_file
+from gateway.protocol.planes import CurveKeypair, MemberTable, PlaneSecurityError
 
 log = structlog.get_logger(__name__)
 

@@ -62,7 +62,7 @@ import structlog
 import torch
 
 from gateway.protocol.pagekeys import namespace_seed
-from gateway.protocol.planes import FileKeyring, Keyring
+from gateway.protocol.plane_file import FileKeyring, Keyring
 from gateway.protocol.sglang import parse_kv_hints
 from worker_hooks.sglang.plugin_logic import (
     Copy,

@@ -34,7 +34,7 @@ import numpy as np
 import structlog
 import zmq.asyncio
 
-from gateway.protocol.planes import Keyring
+from gateway.protocol.plane_file import Keyring
 from worker_hooks.kv.sender import CheckpointSender
 from worker_hooks.sglang.plugin_logic import Control, ControlKind, Copy, PluginOptions, Staging, parent_key
 

@@ -38,8 +38,9 @@ from gateway.protocol.draft import (
     encode_request,
 )
 from gateway.protocol.generate import FinishReason, GenerateChunk, MetaInfo, encode
-from gateway.protocol.planes import CurveKeypair, RetryRefused, curve_client, is_key
+from gateway.protocol.planes import CurveKeypair, curve_client, is_key
 from gateway.protocol.sglang import SGLangGenerate, SGLangVerifyResponse, verified_tokens, verify_body
+from gateway.protocol.zap import RetryRefused
 from gateway.server.recovery.pairing import DrafterRef
 from gateway.server.workers.client import WorkerLost, WorkerRefused
 
