@@ -17,9 +17,10 @@ import msgspec
 import structlog
 
 from gateway.cluster.fleet import GatewayFleet, healthy_everywhere
-from gateway.cluster.sglang import SGLangCluster, SGLangLaunch, agent_specs
+from gateway.cluster.sglang import Checkpoints, SGLangCluster, SGLangLaunch, agent_specs
 from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
 from gateway.config import Config
+from gateway.core.modes import policy_for
 from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.control_secret import publish_token, with_control_token
 from gateway.server.runner import announce, stop_event
@@ -27,6 +28,13 @@ from gateway.server.runner import announce, stop_event
 log = structlog.get_logger("lumen.runner")
 
 SGLANG_READY_TIMEOUT_S = 1800.0  # a real model takes minutes to load
+
+
+def sglang_checkpoints(config: Config) -> Checkpoints | None:
+    """Lumen's checkpoints in the SGLang servers when the recovery mode writes any."""
+    if not (config.checkpoint.enabled and policy_for(config.recovery.mode).checkpointing):
+        return None
+    return Checkpoints(budget_bytes=config.checkpoint.budget_bytes, page_size=config.engine.page_size)
 
 
 async def run_fleet(
@@ -77,6 +85,7 @@ async def run_fleet(
                 sglang,
                 first,
                 more_control_addresses=more,
+                checkpoints=sglang_checkpoints(config),
                 default_workers=config.cluster.workers,
                 failure_domains=config.cluster.failure_domains,
                 restart=config.cluster.restart_killed,

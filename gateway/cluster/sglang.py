@@ -52,6 +52,51 @@ class SGLangLaunch:
 
 
 @dataclass(frozen=True, slots=True)
+class Checkpoints:
+    """Lumen's KV checkpoints in the servers of `lumen cluster up --engine sglang`: each server gets
+    SGLang's HiCache flags with Lumen's storage backend (docs/sglang.md, "Storage backend"), under its
+    own worker id, with a holder store of `budget_bytes` on a port of its own."""
+
+    budget_bytes: int
+    page_size: int
+
+
+# the storage backend's class, as SGLang's "dynamic" StorageBackendFactory loads it (docs/sglang.md)
+HICACHE_BACKEND = {
+    "backend_name": "lumen",
+    "module_path": "worker_hooks.sglang.hicache_backend",
+    "class_name": "LumenHiCacheStorage",
+    "interface_v1": 1,
+}
+
+
+def hicache_args(worker_id: str, holder_endpoint: str, ckpt: Checkpoints, given: Sequence[str]) -> list[str]:
+    """The launch_server flags that make one server write its pages to Lumen's holders and hold other
+    servers' pages (docs/sglang.md); none when `given` (the user's own arguments) already configure a
+    HiCache storage backend, and no --page-size when it names one."""
+    if any(a == "--hicache-storage-backend" or a.startswith("--hicache-storage-backend=") for a in given):
+        return []
+    extra = {
+        **HICACHE_BACKEND,
+        "prefetch_threshold": ckpt.page_size,
+        "lumen": {
+            "worker_id": worker_id,
+            "holder_endpoint": holder_endpoint,
+            "holder_budget_bytes": ckpt.budget_bytes,
+        },
+    }
+    out = ["--enable-hierarchical-cache"]
+    if not any(a == "--page-size" or a.startswith("--page-size=") for a in given):
+        out += ["--page-size", str(ckpt.page_size)]
+    return [
+        *out,
+        *("--hicache-write-policy", "write_through", "--hicache-storage-prefetch-policy", "wait_complete"),
+        *("--hicache-storage-backend", "dynamic"),
+        *("--hicache-storage-backend-extra-config", json.dumps(extra, separators=(",", ":"))),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
 class AgentSpec:
     worker_id: str
     url: str
@@ -106,6 +151,7 @@ def agent_specs(
     control_address: str,
     *,
     more_control_addresses: Sequence[str] = (),
+    checkpoints: Checkpoints | None = None,
     default_workers: int,
     failure_domains: int = 1,
     restart: bool = True,
@@ -115,7 +161,8 @@ def agent_specs(
 ) -> list[AgentSpec]:
     """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: a stand-in
     launcher) `launch.workers` or `default_workers` agents, devices left alone. Every agent attaches
-    to `control_address` and each of `more_control_addresses` (one per gateway)."""
+    to `control_address` and each of `more_control_addresses` (one per gateway). With `checkpoints`
+    every server runs Lumen's HiCache storage backend under its worker id (`hicache_args`)."""
     if launch.gpus is None:
         groups: list[tuple[str, ...] | None] = [None] * (launch.workers or default_workers)
     else:
@@ -134,6 +181,9 @@ def agent_specs(
             *("--model-path", launch.model, "--tp-size", str(launch.tp)),
             *launch.extra,
         ]
+        if checkpoints is not None:
+            holder = f"tcp://{host}:{free_port(host)}"
+            argv += hicache_args(wid, holder, checkpoints, launch.extra)
         out.append(AgentSpec(wid, url, tuple(argv), group))
     return out
 

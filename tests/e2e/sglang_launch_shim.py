@@ -17,6 +17,10 @@ transfer needs from it (exit 3 unless 200). Environment:
 - `LUMEN_SHIM_SEED_FAILS=1`: a seeded start exits 1 before it is ready (a failed transfer);
 - `LUMEN_SHIM_LOAD_S_DISK`, `LUMEN_SHIM_LOAD_S_PEER` (seconds, default 0): the weight load of a start
   from storage and from a seed, slept before the stand-in listens.
+
+HiCache flags (`lumen cluster up --engine sglang` in a mode with checkpoints adds them): the shim refuses
+a storage backend other than Lumen's, and a `"lumen"` extra config Lumen's backend would refuse
+(worker_hooks/sglang/storage_layout.py); the stand-in itself stores nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +37,23 @@ SEED_FAILS_ENV = "LUMEN_SHIM_SEED_FAILS"
 LOAD_S_ENV = {"disk": "LUMEN_SHIM_LOAD_S_DISK", "peer": "LUMEN_SHIM_LOAD_S_PEER"}
 
 
+def check_hicache(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What SGLang would need to load Lumen's storage backend, and Lumen's backend to accept its config."""
+    from worker_hooks.sglang.storage_layout import options_from_extra_config
+
+    extra = args.hicache_storage_backend_extra_config
+    if not args.enable_hierarchical_cache:
+        p.error("a HiCache storage backend needs --enable-hierarchical-cache")
+    if args.hicache_storage_backend != "dynamic" or not isinstance(extra, dict):
+        p.error("Lumen's backend is loaded as --hicache-storage-backend dynamic with an extra config")
+    if extra.get("module_path") != "worker_hooks.sglang.hicache_backend" or extra.get("interface_v1") != 1:
+        p.error(f"not Lumen's v1 backend: {extra}")
+    try:
+        options_from_extra_config(extra)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="sglang_launch_shim")
     p.add_argument("--model-path", default="")
@@ -44,7 +65,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--remote-instance-weight-loader-seed-instance-service-port", type=int)
     p.add_argument("--remote-instance-weight-loader-send-weights-group-ports", type=json.loads)
     p.add_argument("--remote-instance-weight-loader-backend", default="nccl")
+    p.add_argument("--enable-hierarchical-cache", action="store_true")
+    p.add_argument("--hicache-write-policy")
+    p.add_argument("--hicache-storage-prefetch-policy")
+    p.add_argument("--hicache-storage-backend")
+    p.add_argument("--hicache-storage-backend-extra-config", type=json.loads)
     args, rest = p.parse_known_args(argv)
+    if args.hicache_storage_backend is not None:
+        check_hicache(p, args)
     if not args.enable_deterministic_inference:
         p.error("the agent must add --enable-deterministic-inference")
     if "--host" not in rest or "--port" not in rest:
@@ -77,6 +105,7 @@ def main(argv: list[str]) -> None:
             "group_ports": ports,
             "backend": args.remote_instance_weight_loader_backend,
             "tp": args.tp_size,
+            "hicache": args.hicache_storage_backend_extra_config,
         }
         with open(record, "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -247,17 +247,23 @@ async def test_two_gateways_over_sglang_agents_a_gateway_killed_mid_stream_loses
     """`lumen cluster up --engine sglang --gateways 2`: every agent attaches to both gateways; 8 streams
     (greedy and seeded) on gateway 0, which is killed -9 mid-stream; each client re-sends its request
     to gateway 1 with Last-Event-ID and its text equals the text gateway 1 gives the same request
-    without a failure. The supervisor restarts gateway 0 and both servers attach to it again."""
+    without a failure. The supervisor restarts gateway 0 and both servers attach to it again. In mode
+    lumen every server was launched with Lumen's HiCache storage backend under its own worker id
+    (the launch shim checks the flags as Lumen's backend would, and records them)."""
     logs = tmp_path / "cluster"
     argv = [
         sys.executable, "-m", "gateway.cli", "cluster", "up", "--engine", "sglang", "--model", "standin",
         "--workers", "2", "--gateways", "2", "--port", str(free_port()), "--log-dir", str(logs), *E2E_SETTINGS,
         "--", "--token-delay-ms", "20",
     ]  # fmt: skip
-    cluster = await Proc.start(argv, tmp_path / "cluster.stderr", {"LUMEN_SGLANG_LAUNCHER": SHIM})
+    record = tmp_path / "starts.jsonl"
+    env = {"LUMEN_SGLANG_LAUNCHER": SHIM, "LUMEN_SHIM_RECORD": str(record)}
+    cluster = await Proc.start([*argv[:5], "--mode", "lumen", *argv[5:]], tmp_path / "cluster.stderr", env)
     try:
         ready = await cluster.event("ready", within=60)
         assert ready["engine"] == "sglang" and ready["healthy_workers"] == 2 and len(ready["urls"]) == 2
+        starts = [json.loads(line) for line in record.read_text().splitlines()]
+        assert sorted(s["hicache"]["lumen"]["worker_id"] for s in starts) == ["w0", "w1"]
         urls = ready["urls"]
 
         def requests() -> list[RequestResult]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 
-from gateway.cluster.sglang import SGLangLaunch, agent_specs, gpu_groups
+from gateway.cluster.fleet_run import sglang_checkpoints
+from gateway.cluster.sglang import Checkpoints, SGLangLaunch, agent_specs, gpu_groups
+from gateway.config import load_config
 from worker_hooks.sglang.__main__ import parse
 from worker_hooks.sglang.agent import SidecarConfig
 from worker_hooks.sglang.launcher import (
@@ -14,6 +17,7 @@ from worker_hooks.sglang.launcher import (
     WEIGHTS_GROUP_PORT_DELTA,
     LaunchError,
     launcher_prefix,
+    lumen_storage_config,
     remote_instance_args,
     seeded_command,
     server_args,
@@ -22,6 +26,7 @@ from worker_hooks.sglang.launcher import (
     tp_of,
     weights_group_ports,
 )
+from worker_hooks.sglang.storage_layout import options_from_extra_config
 
 URL = "http://127.0.0.1:30000"
 
@@ -97,6 +102,49 @@ def test_each_agent_launches_one_server_on_its_own_gpus() -> None:
     bare = agent_specs(SGLangLaunch(model="m", workers=3), "h:1", default_workers=7, restart=False)
     assert [s.gpus for s in bare] == [None] * 3 and all("--no-restart" in s.argv for s in bare)
     assert len({s.url for s in bare}) == 3
+
+
+def test_in_a_mode_with_checkpoints_each_server_runs_lumens_storage_backend_under_its_own_id() -> None:
+    ckpt = Checkpoints(budget_bytes=8 << 30, page_size=64)
+    specs = agent_specs(SGLangLaunch(model="m", workers=3), "h:1", checkpoints=ckpt, default_workers=7)
+    tails = [list(s.argv[s.argv.index("--") + 1 :]) for s in specs]
+    options = [
+        options_from_extra_config(json.loads(t[t.index("--hicache-storage-backend-extra-config") + 1]))
+        for t in tails
+    ]
+    assert [o.worker_id for o in options] == ["w0", "w1", "w2"]
+    assert len({o.holder_endpoint for o in options}) == 3 and all(
+        o.holder_budget_bytes == 8 << 30 for o in options
+    )
+    for t in tails:
+        assert "--enable-hierarchical-cache" in t and t[t.index("--page-size") + 1] == "64"
+        assert t[t.index("--hicache-storage-backend") + 1] == "dynamic"
+        assert lumen_storage_config(t)["worker_id"] in ("w0", "w1", "w2")  # what the agent reads back
+    # the user's own backend, or page size, is left as given
+    own = ("--hicache-storage-backend", "file", "--page-size", "32")
+    [spec] = agent_specs(
+        SGLangLaunch(model="m", workers=1, extra=own), "h:1", checkpoints=ckpt, default_workers=1
+    )
+    assert "--enable-hierarchical-cache" not in spec.argv and spec.argv.count("--page-size") == 1
+    [spec] = agent_specs(
+        SGLangLaunch(model="m", workers=1, extra=("--page-size", "32")),
+        "h:1",
+        checkpoints=ckpt,
+        default_workers=1,
+    )
+    assert spec.argv.count("--page-size") == 1 and "--hicache-storage-backend" in spec.argv
+
+
+@pytest.mark.parametrize(("mode", "enabled", "want"), [("lumen", True, True), ("fixed_checkpoint", True, True),
+    ("stop_restart", True, False), ("lumen", False, False)])  # fmt: skip
+def test_the_cluster_adds_checkpoints_only_where_the_mode_writes_them(
+    mode: str, enabled: bool, want: bool
+) -> None:
+    cfg = load_config(None, {"recovery.mode": mode, "checkpoint.enabled": enabled})
+    got = sglang_checkpoints(cfg)
+    assert (got is not None) == want
+    if got is not None:
+        assert (got.budget_bytes, got.page_size) == (cfg.checkpoint.budget_bytes, cfg.engine.page_size)
 
 
 # -- seeded reload: SGLang's remote-instance flags ----------------------------------------------------
