@@ -1,11 +1,23 @@
 """What a request session records: its progress, and each interruption and how it was resumed
-(sessions.py runs them; /admin/sessions, the demo and the sim/live equivalence test read them)."""
+(sessions.py runs them; /admin/sessions, the demo and the sim/live equivalence test read them), and
+what an attempt sends and reads: its `/generate` body, a chunk's logprobs and restored tokens."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.protocol.generate import (
+    EngineKind,
+    GenerateChunk,
+    GenerateRequest,
+    HolderRef,
+    LumenExt,
+    SamplingParams,
+    TokenLogprob,
+    token_logprobs,
+)
 from gateway.server.api.jobs import GenerateJob
+from gateway.server.workers.client import WorkerLost
 
 
 @dataclass(slots=True)
@@ -56,3 +68,55 @@ class Session:
         if self.remaining <= 0:
             return "length"
         return None
+
+
+def attempt_request(
+    s: Session, wrid: str, epoch: int, holders: list[HolderRef], orphan_grace_s: float
+) -> GenerateRequest:
+    """The `/generate` body of the session's next attempt: the prompt and everything emitted so far,
+    the rest of the budget, the session's seed base."""
+    sp = s.job.sampling
+    return GenerateRequest(
+        rid=wrid,
+        input_ids=[*s.job.prompt_ids, *s.emitted],
+        sampling_params=SamplingParams(
+            max_new_tokens=s.remaining,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k is not None else -1,
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+        ),
+        stream=True,
+        return_logprob=s.job.logprobs is not None,
+        top_logprobs_num=s.job.logprobs or 0,
+        lumen=LumenExt(
+            epoch=epoch,
+            seed_base=s.seed_base,
+            attempt=s.attempts,
+            checkpoint=holders,
+            orphan_grace_s=orphan_grace_s,
+        ),
+    )
+
+
+def restored_tokens(s: Session, engine: EngineKind, chunk: GenerateChunk) -> int:
+    """Prompt tokens this attempt restored instead of recomputing. SGLang reports no such count:
+    on a resume dispatched to a checkpoint holder its `cached_tokens` (HiCache hits on the pages
+    Lumen's backend holds, plus radix-cache hits) stands for it."""
+    if engine is not EngineKind.SGLANG:
+        return chunk.meta_info.restored_tokens
+    it = s.interruptions[-1] if s.interruptions else None
+    if it is not None and it.resumed_at is None and it.action == "restore":
+        return chunk.meta_info.cached_tokens
+    return 0
+
+
+def chunk_logprobs(s: Session, chunk: GenerateChunk, worker_id: str) -> tuple[TokenLogprob, ...]:
+    """The chunk's logprobs when the job asked for them; a chunk without them is the worker's error."""
+    if s.job.logprobs is None or not chunk.output_ids:
+        return ()
+    try:
+        return token_logprobs(chunk.meta_info, chunk.output_ids)
+    except ValueError as exc:
+        raise WorkerLost(f"worker {worker_id} sent bad logprobs: {exc}", worker_error=True) from exc

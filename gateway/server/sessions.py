@@ -34,17 +34,7 @@ from gateway.core.health import ALIVE_STATES
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.protocol.generate import (
-    AdoptRequest,
-    EngineKind,
-    GenerateChunk,
-    GenerateRequest,
-    HolderRef,
-    LumenExt,
-    SamplingParams,
-    TokenLogprob,
-    token_logprobs,
-)
+from gateway.protocol.generate import AdoptRequest, EngineKind, GenerateChunk, HolderRef
 from gateway.protocol.sglang import SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta
@@ -52,7 +42,13 @@ from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
 from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
-from gateway.server.session_records import Interruption, Session
+from gateway.server.session_records import (
+    Interruption,
+    Session,
+    attempt_request,
+    chunk_logprobs,
+    restored_tokens,
+)
 from gateway.server.workers.aborts import Aborts
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
@@ -213,6 +209,7 @@ class SessionManager:
             first_chunk_timeout_s=self.recovery.first_token_timeout_s,
             stall_timeout_s=self.recovery.stall_timeout_s,
             path="/lumen/adopt",
+            keep_alive=True,
         )
         try:
             async for delta in self._stream(
@@ -251,28 +248,7 @@ class SessionManager:
                 len(s.job.prompt_ids) + len(s.emitted),
                 s.remaining,
             )
-        req = GenerateRequest(
-            rid=wrid,
-            input_ids=[*s.job.prompt_ids, *s.emitted],
-            sampling_params=SamplingParams(
-                max_new_tokens=s.remaining,
-                temperature=sp.temperature,
-                top_p=sp.top_p,
-                top_k=sp.top_k if sp.top_k is not None else -1,
-                stop_token_ids=list(sp.stop_token_ids),
-                ignore_eos=sp.ignore_eos,
-            ),
-            stream=True,
-            return_logprob=s.job.logprobs is not None,
-            top_logprobs_num=s.job.logprobs or 0,
-            lumen=LumenExt(
-                epoch=worker.incarnation,
-                seed_base=s.seed_base,
-                attempt=s.attempts,
-                checkpoint=holders,
-                orphan_grace_s=self.recovery.orphan_grace_s,
-            ),
-        )
+        req = attempt_request(s, wrid, worker.incarnation, holders, self.recovery.orphan_grace_s)
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
         body: msgspec.Struct = (
             to_sglang(req, seed_base=s.seed_base, epoch=worker.incarnation, src_worker=worker.id)
@@ -304,6 +280,7 @@ class SessionManager:
                 body,
                 first_chunk_timeout_s=self.recovery.first_token_timeout_s,
                 stall_timeout_s=self.recovery.stall_timeout_s,
+                keep_alive=not sglang,  # uvicorn drops idle connections after 5 s, before the pool
             )
         try:
             async for delta in self._stream(s, worker, stream, wrid):
@@ -344,9 +321,9 @@ class SessionManager:
                         continue
                     if fin is not None and fin.type == "abort":  # its ids were not sent: not emitted
                         raise WorkerLost(f"worker aborted the request: {fin.message or ''}")
-                    lps = self._logprobs(s, chunk, worker)
+                    lps = chunk_logprobs(s, chunk, worker.id)
                     if ids:
-                        now = self._on_tokens(s, worker, len(ids), self._restored(s, worker, chunk))
+                        now = self._on_tokens(s, worker, len(ids), chunk)
                         if prev_chunk_at is not None and self.monitor.measure_tokens:  # gray failures
                             self.monitor.observe_tokens(
                                 worker.id, worker.incarnation, len(ids), now - prev_chunk_at
@@ -371,40 +348,19 @@ class SessionManager:
             worker.inflight -= 1
             self.monitor.unwatch(worker.id, sub)
 
-    @staticmethod
-    def _restored(s: Session, worker: WorkerRecord, chunk: GenerateChunk) -> int:
-        """Prompt tokens this attempt restored instead of recomputing. SGLang reports no such count:
-        on a resume dispatched to a checkpoint holder its `cached_tokens` (HiCache hits on the pages
-        Lumen's backend holds, plus radix-cache hits) stands for it."""
-        if worker.engine is not EngineKind.SGLANG:
-            return chunk.meta_info.restored_tokens
-        it = s.interruptions[-1] if s.interruptions else None
-        if it is not None and it.resumed_at is None and it.action == "restore":
-            return chunk.meta_info.cached_tokens
-        return 0
-
-    @staticmethod
-    def _logprobs(s: Session, chunk: GenerateChunk, worker: WorkerRecord) -> tuple[TokenLogprob, ...]:
-        """The chunk's logprobs when the job asked for them; a chunk without them is the worker's error."""
-        if s.job.logprobs is None or not chunk.output_ids:
-            return ()
-        try:
-            return token_logprobs(chunk.meta_info, chunk.output_ids)
-        except ValueError as exc:
-            raise WorkerLost(f"worker {worker.id} sent bad logprobs: {exc}", worker_error=True) from exc
-
     def _abort_on(self, worker: WorkerRecord, rid: str) -> None:
         """Ask a worker to drop `rid` (the client left, or the request moved elsewhere)."""
         if worker.state in ALIVE_STATES:  # a dead worker needs no abort
             self._aborts.post(worker.http_url, rid)
 
     # -- bookkeeping ----------------------------------------------------------------------------
-    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, restored: int) -> float:
+    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, chunk: GenerateChunk) -> float:
         now = self.clock()
         if s.first_token_at is None:
             s.first_token_at = now
             self.metrics.ttft.observe(now - s.arrived)
         if s.interruptions and s.interruptions[-1].resumed_at is None:
+            restored = restored_tokens(s, worker.engine, chunk)
             it = s.interruptions[-1]
             it.resumed_at = now
             it.resumed_on = worker.id

@@ -190,6 +190,8 @@ class Fields:
 
 def check_token_ids(items: list[Any], name: str, vocab_size: int) -> tuple[int, ...]:
     """`items` as token ids, each an integer in the vocabulary."""
+    if items and set(map(type, items)) == {int} and min(items) >= 0 and max(items) < vocab_size:
+        return tuple(items)  # the common case, checked in C loops; the loop below names what is wrong
     ids = []
     for i, t in enumerate(items):
         n = as_int(t)

@@ -27,6 +27,8 @@ class Detokenizer:
         """The text now safe to show for `ids`; "" while characters or stop prefixes are pending."""
         if self.finished:
             return ""
+        if not self._stop:
+            return self._decoder.step(ids)
         return self._release(self._held + self._decoder.step(ids), final=False)
 
     def finish(self) -> str:

@@ -18,13 +18,12 @@ import secrets
 from dataclasses import dataclass
 
 from gateway.protocol.streamid import (
-    STREAM_ID_VERSION,
-    ChoicePosition,
+    ChoiceStep,
+    PositionSigner,
     StreamIdError,
     StreamPosition,
     caller_digest,
     decode_position,
-    encode_position,
     request_digest,
 )
 from gateway.server.api.errors import InvalidRequest
@@ -87,7 +86,7 @@ def draw_seed() -> int:
 
 
 class StreamIds:
-    """Positions for one streamed response, event by event."""
+    """Positions for one streamed response, event by event (signed by one `PositionSigner`)."""
 
     def __init__(
         self,
@@ -99,50 +98,27 @@ class StreamIds:
         gens: list[Generation],
         resumed: ResumePoint | None = None,
     ) -> None:
-        self._key = key
-        self._request = request_digest(body)
-        self._caller = caller_digest(caller)
-        self._rid, self._created = rid, created
-        self._seeds = [g.job.sampling.seed or 0 for g in gens]
+        seeds = tuple(g.job.sampling.seed or 0 for g in gens)
+        self._signer = PositionSigner(key, rid, created, request_digest(body), caller_digest(caller), seeds)
         self._gens = gens
         p = resumed.position if resumed is not None else None
-        self.sent = [c.sent for c in p.choices] if p else [0] * len(gens)
-        self.done = [c.done for c in p.choices] if p else [False] * len(gens)
-        self._at: list[Attempt | None] = [
-            Attempt(c.worker, c.wrid, c.epoch) if c.worker else None for c in p.choices
-        ] if p else [None] * len(gens)  # fmt: skip
+        # per choice (sent, done, worker, wrid, epoch): what its next id says
+        self._steps: list[ChoiceStep] = (
+            [(c.sent, c.done, c.worker, c.wrid, c.epoch) for c in p.choices]
+            if p
+            else [(0, False, "", "", 0)] * len(gens)
+        )
         self.closed = p.closed if p else False
 
     def step(self, index: int, step: Step) -> None:
         """Count a step whose events were written (replayed steps were counted before the break)."""
         if step.replay:
             return
-        self.sent[index] += len(step.ids)
-        if step.finish is not None:
-            self.done[index] = True
-        if step.attempt is not None:
-            self._at[index] = step.attempt
+        sent, done, worker, wrid, epoch = self._steps[index]
+        a = step.attempt
+        if a is not None:
+            worker, wrid, epoch = a.worker_id, a.wrid, a.epoch
+        self._steps[index] = (sent + len(step.ids), done or step.finish is not None, worker, wrid, epoch)
 
     def position(self, *, closed: bool = False) -> str:
-        choices = tuple(
-            ChoicePosition(
-                sent=self.sent[i],
-                seed=self._seeds[i],
-                done=self.done[i],
-                worker=a.worker_id if a else "",
-                wrid=a.wrid if a else "",
-                epoch=a.epoch if a else 0,
-            )
-            for i, a in enumerate(self._at)
-        )
-        pos = StreamPosition(
-            STREAM_ID_VERSION,
-            self._rid,
-            self._created,
-            self._request,
-            self._caller,
-            choices,
-            closed=closed,
-            cached=self._gens[0].cached_tokens,
-        )
-        return encode_position(self._key, pos)
+        return self._signer.sign(tuple(self._steps), closed=closed, cached=self._gens[0].cached_tokens)

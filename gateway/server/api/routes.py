@@ -388,11 +388,11 @@ async def respond(
 
 
 def _events(objs: list[Json], positions: StreamIds | None, *, closed: bool = False) -> bytes:
-    data = b"".join(sse_event(o) for o in objs)
+    """The events of one step; with positions, the last carries the stream's position as its id."""
     if positions is None:
-        return data
-    last = data.rfind(b"data: ")
-    return data[:last] + b"id: " + positions.position(closed=closed).encode() + b"\n" + data[last:]
+        return b"".join([sse_event(o) for o in objs])
+    last = b"id: " + positions.position(closed=closed).encode() + b"\n" + sse_event(objs[-1])
+    return b"".join([sse_event(o) for o in objs[:-1]]) + last if len(objs) > 1 else last
 
 
 async def _write_error(resp: web.StreamResponse, body: dict[str, object]) -> None:

@@ -4,12 +4,22 @@ A stream can be interrupted from outside (its worker was declared failed), time 
 an error chunk; all surface as `WorkerLost` from `next_chunk`, so the session's failover logic has
 one case to handle. Chunks come out incremental whatever the worker sends (SGLang's default
 streaming repeats every id so far).
+
+Cheap per token: `next_chunk` takes every complete chunk already received in one read and merges them
+into one (their ids and logprob rows in order; it never waits for more), so a gateway that falls
+behind handles, and writes, several tokens at once; and one timer per stream, re-armed only when it
+fires (`_Watchdog`), bounds each wait instead of a timeout object per chunk. A stream a Lumen
+worker finished gives its connection back to the pool (`keep_alive`); any other is closed, which a
+worker that does not keep orphans (SGLang) takes as an abort.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable
 from types import TracebackType
+from typing import TypeVar
 
 import aiohttp
 import msgspec
@@ -21,6 +31,10 @@ from gateway.protocol.generate import (
     encode,
     incremental,
 )
+
+T = TypeVar("T")
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_DRAIN_TIMEOUT_S = 2.0  # a finished stream's body must end within this to keep its connection
 
 
 class WorkerLost(Exception):
@@ -49,6 +63,81 @@ class WorkerRefused(Exception):
         return self.status == 409 or self.status >= 500
 
 
+class _Watchdog:
+    """Bounds the waits of one stream with one timer: starting a wait costs a clock read; the timer
+    is re-armed only when it fires early (the deadline moved on since) or must fire sooner. Expiry
+    cancels the waiting task, which `ended` turns into a timeout (as asyncio.timeout does)."""
+
+    __slots__ = ("_cancelling", "_due", "_handle", "_loop", "_task", "expired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self.expired = False
+
+    def time(self) -> float:
+        return self._loop.time()
+
+    def start(self, due: float) -> None:
+        """A wait until at most `due` (loop time) begins in the current task."""
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a worker stream is read outside a task")
+        self._due = due
+        self._task, self._cancelling = task, task.cancelling()
+        h = self._handle
+        if h is None or h.when() > due:
+            if h is not None:
+                h.cancel()
+            self._handle = self._loop.call_at(due, self._fire)
+
+    def ended(self, exc: BaseException | None = None) -> bool:
+        """The wait ended (raising `exc`): True when it ended because it expired."""
+        task, self._task = self._task, None
+        if self.expired and isinstance(exc, asyncio.CancelledError) and task is not None:
+            return task.uncancel() <= self._cancelling
+        return False
+
+    def expire(self) -> None:
+        """End the current wait now, if there is one."""
+        if self._task is not None and not self.expired:
+            self.expired = True
+            self._task.cancel()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._task = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self._task is None:
+            return  # not waiting: the next wait arms it again
+        if self._loop.time() < self._due:
+            self._handle = self._loop.call_at(self._due, self._fire)
+            return
+        self.expire()
+
+    async def wait(self, aw: Awaitable[T], due: float) -> T:
+        """`await aw`, raising TimeoutError at `due`."""
+        self.start(due)
+        try:
+            got = await aw
+        except asyncio.CancelledError as exc:
+            if self.ended(exc):
+                raise TimeoutError from exc
+            raise
+        except BaseException:
+            self.ended()
+            raise
+        self.ended()
+        return got
+
+
 class WorkerStream:
     """`async with WorkerStream(...) as s: while (chunk := await s.next_chunk()) is not None: ...`"""
 
@@ -61,35 +150,40 @@ class WorkerStream:
         first_chunk_timeout_s: float,
         stall_timeout_s: float,
         path: str = "/generate",
+        keep_alive: bool = False,
     ) -> None:
+        """`keep_alive`: a finished stream's connection may serve the next request (a server whose
+        idle keep-alive outlasts the client pool's, as Lumen's workers' does: a reused connection
+        that the server is closing would read as a broken one, i.e. a failed worker)."""
+        self._keep_alive = keep_alive
         self._http = http
         self._url = url.rstrip("/") + path
         self._request = request
         self._first_timeout = first_chunk_timeout_s
         self._stall_timeout = stall_timeout_s
         self._resp: aiohttp.ClientResponse | None = None
-        self._timeout: asyncio.Timeout | None = None
+        self._watch: _Watchdog | None = None
         self._interrupted: str | None = None
         self._chunks = 0
         self._received = 0  # output ids received on this stream
+        self._tail = b""  # bytes received after the last complete line
+        self._lines: list[bytes] = []  # complete `data:` lines not parsed yet (the rest is framing)
+        self._done = False  # `[DONE]` was read
+        self._finished = False  # the request's last chunk (not an abort) was read
 
     def interrupt(self, reason: str) -> None:
         """Stop waiting on this stream now (its worker incarnation failed). Safe to call any time."""
         if self._interrupted is None:
             self._interrupted = reason
-        if self._timeout is not None:
-            try:
-                self._timeout.reschedule(asyncio.get_running_loop().time())
-            except RuntimeError:
-                pass  # not inside a wait right now: the next wait checks `_interrupted` first
+        if self._watch is not None:
+            self._watch.expire()  # not inside a wait: the next one checks `_interrupted` first
 
     async def __aenter__(self) -> WorkerStream:
         self._check_interrupted()
+        watch = self._watch = _Watchdog(asyncio.get_running_loop())
         try:
-            async with self._deadline(self._first_timeout) as _:
-                resp = await self._http.post(
-                    self._url, data=encode(self._request), headers={"Content-Type": "application/json"}
-                )
+            post = self._http.post(self._url, data=encode(self._request), headers=_JSON_HEADERS)
+            resp = await watch.wait(post, watch.time() + self._first_timeout)
         except TimeoutError as exc:
             raise self._lost_after_timeout("no response headers") from exc
         except aiohttp.ClientError as exc:
@@ -104,47 +198,103 @@ class WorkerStream:
     async def __aexit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._resp is not None:
+        if self._watch is not None:
+            self._watch.close()
+        resp, self._resp = self._resp, None
+        if resp is None:
+            return
+        if not (self._finished and self._keep_alive):
             # closing (not releasing) drops the connection, which makes the worker abort the request
-            self._resp.close()
-            self._resp = None
+            resp.close()
+            return
+        # the worker finished the request: its connection goes back to the pool once the body's end
+        # (`[DONE]`, the chunked terminator) is read, which usually came with the last chunk
+        content = resp.content
+        with contextlib.suppress(RuntimeError):
+            content.read_nowait()
+        if content.is_eof():
+            resp.release()
+        else:
+            task = asyncio.get_running_loop().create_task(_release_at_end(resp))
+            _draining.add(task)
+            task.add_done_callback(_draining.discard)
 
     async def next_chunk(self) -> GenerateChunk | None:
-        """The next chunk, or None after `[DONE]`. Raises WorkerLost on any break, stall or fencing."""
-        if self._resp is None:
+        """The next chunk, or None after `[DONE]`: every chunk already received, merged (it never
+        waits for more once it has one). Raises WorkerLost on any break, stall or fencing."""
+        resp, watch = self._resp, self._watch
+        if resp is None or watch is None:
             raise RuntimeError("WorkerStream.next_chunk outside `async with`")
         self._check_interrupted()
         timeout = self._first_timeout if self._chunks == 0 else self._stall_timeout
-        content = self._resp.content
+        due = 0.0
         try:
-            async with self._deadline(timeout):
-                while True:
-                    line = await content.readline()
-                    if not line:
-                        raise WorkerLost("stream ended without [DONE]", connection_broke=True)
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators, comments
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        return None
-                    self._chunks += 1
-                    chunk = incremental(decode_chunk(payload), self._received)  # ids and logprob rows
-                    self._received += len(chunk.output_ids)
-                    return chunk
+            while True:
+                if self._lines:
+                    chunk = self._parse()
+                    if chunk is not None:
+                        return chunk
+                if self._done:
+                    return None
+                if not due:
+                    due = watch.time() + timeout
+                data = await watch.wait(resp.content.readany(), due)
+                if not data:
+                    raise WorkerLost("stream ended without [DONE]", connection_broke=True)
+                self._feed(data)
         except TimeoutError as exc:
             raise self._lost_after_timeout(f"no chunk for {timeout:.3g} s") from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise WorkerLost(f"stream broke: {exc!r}", connection_broke=True) from exc
-        except StreamError as exc:
-            raise WorkerLost(str(exc), worker_error=True) from exc
-        except msgspec.DecodeError as exc:
-            raise WorkerLost(f"malformed chunk from worker: {exc}", worker_error=True) from exc
 
     # -- internals ------------------------------------------------------------------------------
-    def _deadline(self, seconds: float) -> asyncio.Timeout:
-        t = asyncio.timeout(seconds)
-        self._timeout = t
-        return t
+    def _feed(self, data: bytes) -> None:
+        buf = self._tail + data if self._tail else data
+        end = buf.rfind(b"\n")
+        if end < 0:
+            self._tail = buf
+            return
+        self._lines += [line for line in buf[:end].split(b"\n") if line.startswith(b"data:")]
+        self._tail = buf[end + 1 :]
+
+    def _parse(self) -> GenerateChunk | None:
+        """The complete chunks received, merged into one; None when there is none (yet, or `[DONE]`
+        came). A chunk that ends the request is the last merged (an abort is never merged: its ids
+        were not sent); a bad line after good chunks stays for the next call to raise."""
+        lines = self._lines
+        got: list[GenerateChunk] = []
+        i = 0
+        try:
+            for line in lines:
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self._done = True
+                    i = len(lines)
+                    break
+                try:
+                    chunk = incremental(decode_chunk(payload), self._received)  # ids and logprob rows
+                except StreamError as exc:
+                    if got:
+                        break
+                    raise WorkerLost(str(exc), worker_error=True) from exc
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    if got:
+                        break
+                    raise WorkerLost(f"malformed chunk from worker: {exc}", worker_error=True) from exc
+                fin = chunk.meta_info.finish_reason
+                if fin is not None and fin.type == "abort" and got:
+                    break
+                i += 1
+                self._chunks += 1
+                self._received += len(chunk.output_ids)
+                if chunk.output_ids or fin is not None:
+                    got.append(chunk)
+                if fin is not None:
+                    self._finished = fin.type != "abort"
+                    break
+        finally:
+            del lines[:i]
+        return _merged(got)
 
     def _check_interrupted(self) -> None:
         if self._interrupted is not None:
@@ -154,3 +304,33 @@ class WorkerStream:
         if self._interrupted is not None:
             return WorkerLost(self._interrupted)
         return WorkerLost(f"stall: {what}")
+
+
+_draining: set[asyncio.Task[None]] = set()  # connections being read to their end, then pooled
+
+
+async def _release_at_end(resp: aiohttp.ClientResponse) -> None:
+    """Read what is left of a finished stream's body, then pool its connection (or drop it)."""
+    try:
+        async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+            while await resp.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        resp.close()
+        return
+    resp.release()
+
+
+def _merged(chunks: list[GenerateChunk]) -> GenerateChunk | None:
+    """One chunk of consecutive incremental ones: their ids and logprob rows in order, the last one's
+    finish, and the first one's prompt figures (cached and restored tokens)."""
+    if len(chunks) <= 1:
+        return chunks[0] if chunks else None
+    first, last = chunks[0].meta_info, chunks[-1].meta_info
+    meta = msgspec.structs.replace(
+        last, cached_tokens=first.cached_tokens, restored_tokens=first.restored_tokens
+    )
+    if any(c.meta_info.output_token_logprobs or c.meta_info.output_top_logprobs for c in chunks):
+        meta.output_token_logprobs = [r for c in chunks for r in c.meta_info.output_token_logprobs]
+        meta.output_top_logprobs = [r for c in chunks for r in c.meta_info.output_top_logprobs]
+    return GenerateChunk([i for c in chunks for i in c.output_ids], meta, chunks[-1].text)
