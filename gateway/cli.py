@@ -272,6 +272,12 @@ def cmd_loadtest(args: argparse.Namespace, rest: list[str]) -> int:
     return sbs_main(argv)
 
 
+def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
+    from loadtests.chaos.cli import main as chaos_main
+
+    return chaos_main(rest)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from loadtests.demo import main as demo_main
 
@@ -409,6 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--modes", help="comma-separated; default stop_restart,fixed_checkpoint,lumen")
     p.set_defaults(func=cmd_loadtest, passthrough=True)
+
+    p = sub.add_parser(
+        "chaos",
+        add_help=False,
+        help="a randomized run across network namespaces, checked (root; --help: its flags)",
+    )
+    p.set_defaults(func=cmd_chaos, passthrough=True)
 
     from gateway.sim.cli import add_sim_commands
 

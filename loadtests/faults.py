@@ -50,6 +50,7 @@ GATEWAY_KINDS = ("kill-gateway",)  # their target is a gateway's index, not a wo
 # the admin mode that undoes each kind after its duration (kill has none)
 UNDO: Mapping[str, str] = {"hang": "resume", "stall": "unstall", "slow": "normal"}
 SELECTORS = ("random", "busiest", "top-holder")
+NET_KINDS = ("partition", "loss", "bw", "delay")  # loadtests/chaos/netspec.py parses and fires them
 DEFAULT_SLOWDOWN = 5.0  # as the simulator's `slow` failure (gateway.sim.scenario.FailureSpec)
 GRAMMAR = "KIND:TARGET@SECONDS[xFACTOR][+DURATION][:factor=F][:duration=D]"
 
@@ -102,6 +103,8 @@ def parse_fault(spec: str) -> FaultEvent:
     if len(parts) < 2:
         raise bad("no ':' between KIND and TARGET")
     kind, where, options = parts[0], parts[1], parts[2:]
+    if kind in NET_KINDS:
+        raise bad(f"{kind} is a network fault: `lumen chaos` runs those (its hosts are network namespaces)")
     if kind not in KINDS:
         raise bad(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
     target, at_sign, when = where.partition("@")

@@ -38,6 +38,7 @@ DIRECTORY_MARKERS = {
     TESTS / "e2e": pytest.mark.e2e,
     TESTS / "gpu": pytest.mark.gpu,
     TESTS / "sglang": pytest.mark.sglang,  # the real sglang package: `./dev sglang-test`
+    TESTS / "chaos": pytest.mark.chaos,  # network namespaces (root): tests/chaos
 }
 
 

@@ -254,6 +254,10 @@ class LocalCluster:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), period)
 
+    def worker_argv(self, spec: EngineSpec) -> list[str]:
+        """The command a worker runs (loadtests/chaos prefixes it to start it in a network namespace)."""
+        return [sys.executable, "-m", "worker_hooks.engine"]
+
     # -- internals -------------------------------------------------------------------------------
     async def _spawn(self, wp: WorkerProcess, *, restart: bool) -> None:
         spec = wp.spec if not restart else _with_restart(wp.spec)
@@ -262,9 +266,7 @@ class LocalCluster:
         env = worker_env(dict(os.environ), spec, LUMEN_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
         with wp.log_path.open("ab") as logf:
             wp.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "worker_hooks.engine",
+                *self.worker_argv(spec),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=logf,
                 stderr=logf,

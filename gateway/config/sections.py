@@ -18,7 +18,9 @@ from gateway.core.dispatch import DispatchParams, ThetaMode
 from gateway.core.gray import GrayParams
 from gateway.core.holders import HolderParams
 from gateway.core.modes import DispatchRule, Placement, RecoveryPolicy, policy_for
+from gateway.core.outage import OutageParams
 from gateway.core.pairing import PairingParams
+from gateway.core.speculation import ASSIST_MIN_GAIN, ASSIST_MIN_WAITING
 from gateway.core.types import LoadParams
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS, Backend, Eviction
@@ -29,6 +31,7 @@ _LOAD = LoadParams()
 _DISPATCH = DispatchParams()
 _HOLDERS = HolderParams()
 _PAIRING = PairingParams()
+_OUTAGE = OutageParams()
 _GRAY = GrayParams()
 _DETECT = DetectorParams()
 
@@ -190,6 +193,8 @@ class CheckpointSection:
     payload_scale: float = 0.001
     frame_bytes: int = 1024 * 1024  # group pages into frames of at least this size where possible
     max_lag_bytes: int = 256 * 1024 * 1024  # sender queue per holder beyond which a checkpoint is abandoned
+    # stream prompt pages as each prefill chunk writes them (simulator only; off: it did not pay)
+    stream_prefill: bool = _HOLDERS.stream_prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +230,11 @@ class RecoverySection:
     placement: Placement = _HOLDERS.placement  # load_aware | ring (ablation lumen-fixed-placement)
     always_holder: bool = False  # ablation lumen-always-holder
     draft_assist: bool = True  # ablation lumen-no-draft
+    # issue 17 (gateway.core.outage): resumed requests first in their new worker's queue; survivors'
+    # batch limit x outage_batch_boost while a failure's outage or backlog lasts (simulator only)
+    resumed_first: bool = _OUTAGE.resumed_first
+    outage_batch_boost: float = _OUTAGE.batch_boost
+    outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size (simulator only)
     max_attempts: int = 4  # worker attempts per request, the first included
     first_token_timeout_s: float = 120.0
     stall_timeout_s: float = 10.0  # between chunks once a stream has started
@@ -258,6 +268,12 @@ class DraftSection:
         _PAIRING.hysteresis
     )  # re-pair only if another target's load exceeds the current by this
     max_drafters_per_target: int = _PAIRING.max_drafters_per_target
+    # draft only where the cost model says it pays (issue 17): the target has at least
+    # assist_min_waiting requests waiting and drafting (drafter latency and target batch modelled)
+    # speeds its batch up by at least assist_min_gain; false: wherever Algorithm 3 pairs
+    assist_gate: bool = True
+    assist_min_gain: float = ASSIST_MIN_GAIN
+    assist_min_waiting: int = ASSIST_MIN_WAITING
 
 
 @dataclass(frozen=True, slots=True)

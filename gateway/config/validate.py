@@ -17,7 +17,9 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.draftpairs import DraftError, validate_pairs
 from gateway.core.holders import HolderParams
 from gateway.core.modes import MODES, DispatchRule
+from gateway.core.outage import OutageParams
 from gateway.core.pairing import PairingParams
+from gateway.core.speculation import check_gate_bounds
 from gateway.core.types import LoadParams, ParamError
 from gateway.protocol.launch import TORCH_PRESETS
 
@@ -89,7 +91,10 @@ def _control_plane(g: GatewaySection) -> None:
         "",
         "control_tls_cert and control_tls_key go together",
     )
-    for key, path in (("gateway.control_tls_cert", g.control_tls_cert), ("gateway.control_tls_key", g.control_tls_key)):
+    for key, path in (
+        ("gateway.control_tls_cert", g.control_tls_cert),
+        ("gateway.control_tls_key", g.control_tls_key),
+    ):
         if path:
             _check(Path(path).is_file(), key, path, "file not found")
     if not is_loopback(g.control_host) and not g.control_tls_cert and not g.control_insecure:
@@ -266,11 +271,21 @@ def _policies(cfg: Config) -> None:
     _core("recovery", lambda: HolderParams(placement=r.placement))
     _core(
         "recovery",
+        lambda: OutageParams(r.resumed_first, r.outage_batch_boost),
+        {"batch_boost": "recovery.outage_batch_boost"},
+    )
+    _core(
+        "recovery",
         lambda: DispatchParams(rule=r.dispatch_rule, theta=r.theta, theta_mode=r.theta_mode, tau=r.tau),
     )
     _core(
         "draft",
         lambda: PairingParams(hysteresis=d.hysteresis, max_drafters_per_target=d.max_drafters_per_target),
+    )
+    _core(
+        "draft",
+        lambda: check_gate_bounds(d.assist_min_gain, d.assist_min_waiting),
+        {"min_gain": "draft.assist_min_gain", "min_waiting": "draft.assist_min_waiting"},
     )
     _core("gray", cfg.gray.params)
 

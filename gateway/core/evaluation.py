@@ -1,5 +1,9 @@
 """The metrics of EVALUATION.md, one implementation for the simulator and the live load tests.
 
+Recovery time against the no-failure twin (per-request excess, smoothed, sustained) and the damage
+number are in `gateway.core.excess` (docs/evaluation.md); `windowed_recovery_time` here is
+EVALUATION's original 2 s-window rule, kept for comparison.
+
 Times are seconds on whichever clock produced the records (virtual or monotonic); every record of a
 run, and both runs of a recovery comparison, must share it and its `origin` (the run's start).
 
@@ -117,7 +121,7 @@ def window_means(
     return tuple(mean(buckets.get(k, ())) for k in range(n))
 
 
-def recovery_time(
+def windowed_recovery_time(
     failed: Sequence[RequestRecord],
     baseline: Sequence[RequestRecord],
     failure_at: float,
@@ -127,7 +131,9 @@ def recovery_time(
     slack: float = 1.1,
     min_windows: int = 3,
 ) -> float | None:
-    """Seconds from `failure_at` until m(t) stays within `slack` × the no-failure run's m(t).
+    """EVALUATION's original windowed rule (kept for comparison; recovery time proper is the
+    twin-based measure of gateway/core/excess.py): seconds from `failure_at` until m(t) stays within
+    `slack` × the no-failure run's m(t).
 
     Recovery ends at the first window end e_j (from the one at or before the failure on) after which
     every comparable window is within the bound and there are at least `min_windows` of them.

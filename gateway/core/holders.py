@@ -35,6 +35,9 @@ class HolderParams:
     replicas: int = 1  # 2 survives the serving worker and one holder dying together
     exclude_failure_domain: bool = False
     placement: Placement = Placement.LOAD_AWARE
+    # issue 17: stream a request's prompt pages as each prefill chunk writes them, not only once its
+    # prefill is done (measured in the simulator: no gain worth its cost, so off; docs/results.md)
+    stream_prefill: bool = False
 
     def __post_init__(self) -> None:
         check(self.replicas in (1, 2), "replicas", self.replicas, "must be 1 or 2")
@@ -113,6 +116,19 @@ def reassign_holders(
     else:
         order = load_table(view, params.load).ranked
     taken_domains = {workers[h].failure_domain for h in alive_holders if h in workers}
+    if count == 1 and not taken_domains:
+        # one holder to add and no domain to avoid (the common case, once per request): the scan
+        # below then returns the first eligible candidate; this is that scan without its books
+        for _, wid in order:
+            w = workers[wid]
+            if (
+                wid != serving
+                and wid not in alive_holders
+                and can_hold(w, need_bytes)
+                and not _same_domain(w.failure_domain, banned_domain)
+            ):
+                return (wid,)
+        return ()
 
     n, pos = len(order), 0
     eligible: list[WorkerView] = []  # the eligible candidates the scan has reached, in order

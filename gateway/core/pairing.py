@@ -14,6 +14,11 @@ drafter for a HEALTHY survivor until its full model is loaded. Rules:
 - Hysteresis: a kept drafter moves only to a target with room whose load exceeds its current
   target's by more than `hysteresis` (additive, in `L̂` units). Moves repeat until none applies, so
   feeding the result back in as `current` returns it unchanged.
+- The cost gate (issue 17, `PairingParams.gate`, `speculation.assist_pays`): a target is paired
+  only if it is overloaded (requests waiting) and the cost model says drafting speeds its batch up
+  (drafter latency and the target's batch modelled); a current pair is kept while the speed-up
+  alone holds (no flapping as the queue empties and refills). Without a gate every target is eligible
+  (the paper's Algorithm 3).
 Ties between equal loads go to the smaller id; the result does not depend on the order of the view,
 of `drafters`, or of `current`.
 """
@@ -23,10 +28,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.core.health import SERVING_STATES, WorkerState
 from gateway.core.load import estimated_load
+from gateway.core.speculation import AssistGate, assist_pays
 from gateway.core.types import ClusterView, LoadParams, WorkerId, check
 
 
@@ -35,6 +41,8 @@ class PairingParams:
     load: LoadParams = field(default_factory=LoadParams)
     hysteresis: float = 0.25
     max_drafters_per_target: int = 1
+    # draft only where the cost model says it pays (None: wherever Algorithm 3 says)
+    gate: AssistGate | None = None
 
     def __post_init__(self) -> None:
         ok = self.hysteresis >= 0 and math.isfinite(self.hysteresis)
@@ -53,6 +61,9 @@ def draft_targets(
     # fsum is exactly rounded, so the mean does not depend on the order of the view
     mean = math.fsum(loads.values()) / len(loads)
     out = [(load, wid) for wid, load in loads.items() if load > 0 and load >= mean and wid not in exclude]
+    if params.gate is not None:
+        gate = params.gate
+        out = [(load, wid) for load, wid in out if assist_pays(gate, view.workers[wid])]
     out.sort(key=lambda t: (-t[0], t[1]))
     return out
 
@@ -79,6 +90,9 @@ def pair_drafters(
         for wid, value in healthy.items()
         if wid not in ready and value > 0 and value >= mean - params.hysteresis
     }
+    if params.gate is not None:  # kept while drafting still speeds the target up, queue or not
+        keep = replace(params.gate, min_waiting=0)
+        load = {wid: value for wid, value in load.items() if assist_pays(keep, view.workers[wid])}
     cap = params.max_drafters_per_target
     pairs: dict[WorkerId, WorkerId] = {}
     count: Counter[WorkerId] = Counter()

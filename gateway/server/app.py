@@ -12,14 +12,15 @@ import structlog
 from aiohttp import web
 from grpc import aio
 
-from gateway.config import Config, recovery_policy, sglang_worker_id
-from gateway.core.costmodel import CostModel
+from gateway.config import Config, draft_for, recovery_policy, sglang_worker_id
+from gateway.core.costmodel import MODELS, CostModel
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
 from gateway.core.pairing import PairingParams
 from gateway.core.router import routing_params
+from gateway.core.speculation import AssistGate
 from gateway.core.types import LoadParams
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.secrets import worker_http_bearer
@@ -112,6 +113,7 @@ class Gateway:
                     load=self.load_params,
                     hysteresis=config.draft.hysteresis,
                     max_drafters_per_target=config.draft.max_drafters_per_target,
+                    gate=self._assist_gate(config),
                 ),
                 k_initial=config.draft.k_initial,
                 view=self.checkpoints.view if self.checkpoints is not None else self.monitor.view,
@@ -139,6 +141,25 @@ class Gateway:
         self.http_port = 0
         self.control_port = 0
         self.started_at = time.monotonic()
+
+    def _assist_gate(self, config: Config) -> AssistGate | None:
+        """Draft assist's cost gate (issue 17): the target's cost model and, when the paired draft
+        model is a cost-model preset, the drafter's (its latency is then charged to every round)."""
+        d = config.draft
+        if not d.assist_gate:
+            return None
+        name = draft_for(d.pairs, config.model.preset)
+        drafter = CostModel.preset(name, config.model.gpu) if name in MODELS else None
+        return AssistGate(
+            self.cost,
+            drafter,
+            d.agreement,
+            d.k_min,
+            d.k_max,
+            min_gain=d.assist_min_gain,
+            min_waiting=d.assist_min_waiting,
+            nominal_batch=config.engine.max_running_requests,
+        )
 
     @property
     def http(self) -> aiohttp.ClientSession | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,21 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--duration", type=float, help="workload duration in simulated seconds (default: the scenario's)"
     )
-    p.add_argument("--rate", type=float, help="total arrival rate in requests/s (default: the scenario's)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        help="total arrival rate in requests/s (default: the scenario's); on a trace it sets the speedup "
+        "so that the trace's mean rate becomes this",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay this CSV (TIMESTAMP, ContextTokens, GeneratedTokens) instead of the scenario's workload",
+    )
+    p.add_argument(
+        "--speedup", type=float, metavar="X", help="replay the trace X times faster (default: the scenario's)"
+    )
     p.add_argument(
         "--reload",
         choices=RELOAD_SOURCES,
@@ -65,7 +80,8 @@ def add_sim_commands(sub: Any) -> None:
         "--calibrate-ttft",
         type=float,
         metavar="S",
-        help="instead of a run: find the arrival rate whose no-failure mean TTFT is S seconds",
+        help="instead of a run: find the arrival rate (synthetic) or the trace's speedup (--trace) whose "
+        "no-failure mean TTFT is S seconds",
     )
     p.set_defaults(func=cmd_sim)
 
@@ -88,12 +104,16 @@ def _scenario(args: argparse.Namespace) -> Any:
     except ScenarioError as exc:
         print(f"lumen: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-    for flag, value in (("--duration", args.duration), ("--rate", args.rate)):
+    for flag, value in (("--duration", args.duration), ("--rate", args.rate), ("--speedup", args.speedup)):
         if value is not None and not value > 0:
             print(f"lumen: {flag} must be > 0", file=sys.stderr)
             raise SystemExit(2)
     reload = None if args.reload is None else ReloadSource(args.reload)
-    return with_overrides(scenario, args.duration, args.rate, reload)
+    try:
+        return with_overrides(scenario, args.duration, args.rate, reload, args.trace, args.speedup)
+    except ValueError as exc:  # TraceError included: it names the file and line
+        print(f"lumen: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
 
 
 def _plots(fn: Any, *a: Any) -> None:
@@ -109,26 +129,22 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from gateway.sim.plots import plot_report
     from gateway.sim.progress import ProgressBar
     from gateway.sim.report import markdown, write_summary
-    from gateway.sim.runner import calibrate_rate, run_scenario
+    from gateway.sim.runner import run_scenario
+    from gateway.sim.workload import TraceError
 
     scenario = _scenario(args)
     seed = scenario.seed if args.seed is None else args.seed
     if args.calibrate_ttft is not None:
-        rate, ttft = calibrate_rate(scenario, args.calibrate_ttft, seed)
-        print(
-            json.dumps(
-                {
-                    "scenario": scenario.name,
-                    "rate_rps": round(rate, 3),
-                    "rate_per_worker": round(rate / scenario.cluster.workers, 4),
-                    "ttft_mean_s": ttft,
-                }
-            )
-        )
-        return 0
+        return _calibrate(scenario, args.calibrate_ttft, seed)
     bar = None if args.quiet else ProgressBar(scenario.workload.duration_s)
-    report = run_scenario(scenario, args.modes, seed, progress=bar)
+    try:
+        report = run_scenario(scenario, args.modes, seed, progress=bar)
+    except TraceError as exc:
+        print(f"lumen: {exc}", file=sys.stderr)
+        return 2
     summary = report.summary()
+    if "warning" in summary["workload"]:
+        print(f"lumen: WARNING: {summary['workload']['warning']}", file=sys.stderr)
     write_summary(args.out, summary)
     if not args.no_plots:
         _plots(plot_report, report, args.out)
@@ -137,10 +153,43 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(scenario: Any, target_ttft_s: float, seed: int) -> int:
+    """`lumen sim --calibrate-ttft S`: print the rate (synthetic) or the trace speedup that gives a
+    no-failure mean TTFT of S seconds; a trace stays the trace."""
+    from gateway.sim.calibrate import calibrate_speedup
+    from gateway.sim.runner import calibrate_rate, resolve_workload
+    from gateway.sim.workload import TraceError
+
+    if not target_ttft_s > 0:
+        print("lumen: --calibrate-ttft must be > 0", file=sys.stderr)
+        return 2
+    try:
+        if scenario.workload.source == "trace":
+            speedup, ttft = calibrate_speedup(scenario, target_ttft_s, seed)
+            scenario = replace(scenario, workload=replace(scenario.workload, trace_speedup=speedup))
+            out: dict[str, Any] = {"scenario": scenario.name, "speedup": round(speedup, 4)}
+        else:
+            rate, ttft = calibrate_rate(scenario, target_ttft_s, seed)
+            out = {
+                "scenario": scenario.name,
+                "rate_rps": round(rate, 3),
+                "rate_per_worker": round(rate / scenario.cluster.workers, 4),
+            }
+            scenario = replace(scenario, workload=replace(scenario.workload, rate=rate, rate_per_worker=0.0))
+        out["ttft_mean_s"] = ttft
+        out["workload"] = resolve_workload(scenario, seed)[1]
+    except TraceError as exc:
+        print(f"lumen: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from gateway.sim.plots import plot_heatmaps
     from gateway.sim.progress import ProgressBar
     from gateway.sim.tuning import Grid, tune
+    from gateway.sim.workload import TraceError
 
     scenario = _scenario(args)
     seed = scenario.seed if args.seed is None else args.seed
@@ -152,7 +201,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"lumen: {exc}", file=sys.stderr)
         return 2
     bar = None if args.quiet else ProgressBar(scenario.workload.duration_s)
-    result = tune(scenario, grid, seed, args.mode, progress=bar)
+    try:
+        result = tune(scenario, grid, seed, args.mode, progress=bar)
+    except TraceError as exc:
+        print(f"lumen: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune.json").write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_plots:

@@ -15,7 +15,7 @@ is the smaller of what the bulk transfer has moved and the full pages produced b
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection
 
 from gateway.core.costmodel import CostModel
@@ -23,15 +23,17 @@ from gateway.core.dispatch import Decision, DispatchParams, InterruptedRequest, 
 from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.pairing import PairingParams, pair_drafters
+from gateway.core.outage import OutageParams, admission_limit, backlog_drained, queue_rank
+from gateway.core.pairing import PairingParams, draft_targets, pair_drafters
 from gateway.core.reload import choose_seed
 from gateway.core.router import choose_worker, routing_params
-from gateway.core.speculation import choose_k, expected_tokens_per_step
+from gateway.core.speculation import AssistGate, choose_k, expected_tokens_per_step
 from gateway.core.types import ClusterView, LoadParams, WorkerView
+from gateway.sim.fastvalues import worker_view
 from gateway.sim.request import SimRequest
 from gateway.sim.scenario import DraftSpec
 from gateway.sim.stepcost import StepCost
-from gateway.sim.worker import SimWorker
+from gateway.sim.worker import SimWorker, fifo_rank
 
 
 class Coordinator:
@@ -50,6 +52,7 @@ class Coordinator:
         page_size: int,
         lag_per_token: float,
         route_by_checkpoint_load: bool = False,
+        outage: OutageParams | None = None,
     ) -> None:
         self.workers = workers
         self.by_id = {w.id: w for w in workers}
@@ -64,6 +67,10 @@ class Coordinator:
         self.decisions: Counter[str] = Counter()
         self.restored_tokens = 0
         self.spec_ks: list[int] = []
+        # survivors' admission while a failure's outage or backlog lasts (gateway.core.outage)
+        self.outage = outage or OutageParams()
+        self.recovering = False
+        self.base_running = workers[0].max_running if workers else 0
         self.refresh_all()
 
     # -- the view ---------------------------------------------------------------------------------
@@ -106,38 +113,17 @@ class Coordinator:
             if not w.dirty:
                 continue  # refreshed since it was marked (freeze)
             w.dirty = False
-            if w.alive:  # self._view_of(w), inlined (the hot path)
-                changed.append(
-                    WorkerView(
-                        w.id,
-                        w.state,
-                        w.incarnation,
-                        w.running,
-                        len(w.waiting),
-                        w.kv_used,
-                        w.kv_capacity,
-                        w.ckpt_tokens,
-                        w.ckpt_bytes,
-                        w.ckpt_budget_bytes,
-                        w.domain,
-                        0,
-                    )
-                )
+            if w.alive:  # self._view_of(w), the fast way (the hot path)
+                changed.append(worker_view(w, w.running, len(w.waiting), w.kv_used, w.kv_capacity, 0))
             else:
                 last = old[w.id]
                 changed.append(
-                    WorkerView(
-                        w.id,
-                        w.state,
-                        w.incarnation,
+                    worker_view(
+                        w,
                         last.running,
                         last.waiting,
                         last.kv_tokens_used,
                         last.kv_capacity_tokens,
-                        w.ckpt_tokens,
-                        w.ckpt_bytes,
-                        w.ckpt_budget_bytes,
-                        w.domain,
                         len(w.lost) - w.lost_at_kill,  # sent to it since it died
                     )
                 )
@@ -164,7 +150,10 @@ class Coordinator:
 
     def start(self, r: SimRequest, w: SimWorker, now: float, restored: int) -> None:
         """A new attempt of r on w, restoring `restored` tokens from w's host memory."""
-        self.release(r)
+        if r.holders:
+            self.release(r)
+        else:
+            r.ck_time = None  # what release does for a request with no holders
         r.attempts += 1
         r.worker = w
         r.restored = restored
@@ -174,7 +163,7 @@ class Coordinator:
             nbytes = expected * self.kvb
             chosen = choose_holders(self.view(), w.id, nbytes, self.holder_params)
             self._charge(r, tuple(self.by_id[h] for h in chosen), expected)
-        w.enqueue(r, now)
+        w.enqueue(r, now, self._rank(r))
 
     def _charge(self, r: SimRequest, holders: tuple[SimWorker, ...], tokens: int) -> None:
         for h in holders:
@@ -205,6 +194,8 @@ class Coordinator:
         """Full pages of r every holder has in host memory at `now` (0 without a stream)."""
         w = r.worker
         if r.ck_time is None or not r.holders or w is None:
+            if self.holder_params.stream_prefill and r.holders and w is not None:
+                return prefilled_pages(r, self.page)
             return 0
         page_lag = self.page * self.lag_per_token
         bulk_s = r.ck_base * self.lag_per_token
@@ -250,6 +241,8 @@ class Coordinator:
         decision: Decision = dispatch(self.view(), ir, self.dispatch_params, self.cost)
         if decision.worker is None:
             return False
+        if not self.recovering:
+            self._set_recovering(True, now)
         self.decisions[decision.action] += 1
         target = self.by_id[decision.worker]
         # the engine finds r's pages in its own store by prefix lookup, whatever the rule called it
@@ -265,8 +258,42 @@ class Coordinator:
         wid = choose_seed(self.view(), w.id, self.load, busy)
         return None if wid is None else self.by_id[wid]
 
+    # -- the outage: survivors' queue order and batch limit (gateway.core.outage) -------------------
+    def _rank(self, r: SimRequest) -> tuple[int, int]:
+        return queue_rank(r.attempts, max(1, r.context - r.restored), self.outage, self.recovering)
+
+    def _set_recovering(self, on: bool, now: float) -> None:
+        self.recovering = on
+        if self.outage.shortest_first:  # rank queues by prefill size while recovering, FIFO after
+            rank = self._rank if on else fifo_rank
+            for w in self.workers:
+                w.rank_of = rank
+                w.waiting = deque(sorted(w.waiting, key=rank))
+        limit = admission_limit(self.base_running, self.outage, on)
+        for w in self.workers:
+            if w.max_running != limit:
+                w.max_running = limit
+                if w.alive:
+                    w.kick(now)
+
+    def check_backlog(self, now: float) -> None:
+        """End the recovery once every worker serves and the queues hold no backlog."""
+        if not self.recovering:
+            return
+        serving = [w for w in self.workers if w.state is WorkerState.HEALTHY and w.alive]
+        waiting = sum(len(w.waiting) for w in serving)
+        if backlog_drained(waiting, len(serving), len(serving) == len(self.workers)):
+            self._set_recovering(False, now)
+
     # -- draft assist (Algorithm 3) ---------------------------------------------------------------
+    def assist_wanted(self) -> bool:
+        """Whether some survivor would be drafted for now (the cost gate's verdict; no gate: yes)."""
+        if self.pairing_params.gate is None:
+            return True
+        return bool(draft_targets(self.view(), self.pairing_params))
+
     def repair(self, now: float) -> None:
+        self.check_backlog(now)
         drafters = [w.id for w in self.workers if w.state is WorkerState.DRAFT_READY]
         if not drafters and not self.pairs:
             return
@@ -298,6 +325,34 @@ class Coordinator:
     # -- metrics ----------------------------------------------------------------------------------------
     def has_live_checkpoint(self, r: SimRequest, dead: set[SimWorker]) -> bool:
         return r.durable > 0 and any(h not in dead for h in r.holders)
+
+
+def prefilled_pages(r: SimRequest, page: int) -> int:
+    """With `stream_prefill`: the full pages of the prefill chunks this attempt has written (a
+    restored prefix does not count: the new holders do not have it yet). Optimistic by the transfer
+    of the last chunk (~13 µs per token on H100 over 200 Gb/s, below one prefill step)."""
+    if r.restored or r.prefill_left <= 0 or r.kv_ctx <= 0:
+        return 0
+    return r.kv_ctx - r.kv_ctx % page
+
+
+def assist_gate(
+    draft: DraftSpec, target: CostModel, drafter: CostModel, nominal_batch: int
+) -> AssistGate | None:
+    """The draft-assist cost gate of a scenario (None: `draft.assist_gate` off); the drafter's own
+    steps are charged only with `draft.drafter_latency`, as `Coordinator._choose_k` does."""
+    if not draft.assist_gate:
+        return None
+    return AssistGate(
+        target,
+        drafter if draft.drafter_latency else None,
+        draft.agreement,
+        draft.k_min,
+        draft.k_max,
+        draft.assist_min_gain,
+        draft.assist_min_waiting,
+        nominal_batch,
+    )
 
 
 def lag_per_token(kv_bytes_per_token: int, d2h_bw: float, network_bw: float) -> float:

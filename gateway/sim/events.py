@@ -26,17 +26,19 @@ Event = tuple[float, int, int, Any, Any]
 
 
 class EventQueue:
-    __slots__ = ("_heap", "_seq")
+    """The heap is public so the simulation's loop can pop it directly (`heapq.heappop(q.heap)`)."""
+
+    __slots__ = ("_seq", "heap")
 
     def __init__(self) -> None:
-        self._heap: list[Event] = []
+        self.heap: list[Event] = []
         self._seq = itertools.count()
 
     def push(self, time: float, kind: int, a: Any = None, b: Any = None) -> None:
-        heapq.heappush(self._heap, (time, next(self._seq), kind, a, b))
+        heapq.heappush(self.heap, (time, next(self._seq), kind, a, b))
 
     def pop(self) -> Event:
-        return heapq.heappop(self._heap)
+        return heapq.heappop(self.heap)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self.heap)

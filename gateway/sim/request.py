@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gateway.core.evaluation import RequestRecord
+from gateway.sim.fastvalues import request_record
 
 if TYPE_CHECKING:
     from gateway.sim.worker import SimWorker
@@ -94,12 +95,12 @@ class SimRequest:
     def record(self) -> RequestRecord:
         first = self.first_token
         last = self.last_token if first is not None else None
-        return RequestRecord(
-            arrival=self.arrival,
-            first_token=first,
-            last_token=last,
-            output_tokens=self.emitted if first is not None else 0,
-            interrupted=self.interrupted,
-            error=self.error,
-            resume_delay=self.resume_delay,
+        return request_record(
+            self.arrival,
+            first,
+            last,
+            self.emitted if first is not None else 0,
+            self.interrupted,
+            self.error,
+            self.resume_delay,
         )

@@ -22,7 +22,9 @@ from gateway.core.detector import DetectorParams
 from gateway.core.dispatch import DispatchParams, ThetaMode
 from gateway.core.gray import GrayParams
 from gateway.core.holders import HolderParams, ring_key
+from gateway.core.outage import OutageParams
 from gateway.core.pairing import PairingParams
+from gateway.core.speculation import ASSIST_MIN_GAIN, ASSIST_MIN_WAITING, check_gate_bounds
 from gateway.core.types import LoadParams, ParamError
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
@@ -32,6 +34,7 @@ GiB = 1024**3
 # policy defaults come from the core parameters that own them (as the live gateway's config does)
 _LOAD, _DISPATCH, _HOLDERS = LoadParams(), DispatchParams(), HolderParams()
 _PAIRING, _GRAY = PairingParams(), GrayParams()
+_OUTAGE = OutageParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +68,15 @@ class WorkloadSpec:
     rate: float = 0.0  # requests/s for the whole cluster; 0: rate_per_worker × workers
     rate_per_worker: float = 0.0
     burst_cv: float = 1.0  # coefficient of variation of inter-arrival times (1: Poisson)
+    # synthetic lengths (workload.SHAPES): conv (the Azure conv fit), code (~2k-token prompts, ~30-token
+    # outputs), long_output (~2k-token prompts, ~450-token outputs)
+    shape: Literal["conv", "code", "long_output"] = "conv"
     duration_s: float = 240.0
     trace: str = ""  # CSV path (relative to the repository root, or absolute)
     trace_speedup: float = 1.0
-    fallback: bool = True  # trace missing: use the synthetic generator at the trace's rate × speedup
+    # trace file missing: false (default) is an error naming the file; true runs the generator at the
+    # trace's rate × speedup instead, and the summary says so in capitals (a bad row is always an error)
+    fallback: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,14 @@ class RecoverySpec:
     reload: ReloadSource = ReloadSource.DISK
     # step-time factor on a seed while it sends (0: the cost model's `seed_slowdown`, ~1.016 on H100)
     seed_slowdown: float = 0.0
+    # issue 17 levers (gateway.core.outage; the live gateway's recovery section): resumed requests go
+    # first in their new worker's queue; survivors admit up to this x their batch while a failure's
+    # outage or its backlog lasts (1: off)
+    resumed_first: bool = _OUTAGE.resumed_first
+    # stream prompt pages as each prefill chunk writes them (gateway.core.holders.HolderParams)
+    stream_prefill: bool = _HOLDERS.stream_prefill
+    outage_batch_boost: float = _OUTAGE.batch_boost
+    outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size while recovering
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +148,14 @@ class DraftSpec:
     k_max: int = 8
     hysteresis: float = _PAIRING.hysteresis
     max_drafters_per_target: int = _PAIRING.max_drafters_per_target
-    # false (default): a drafted step costs only the verification of k extra tokens per request;
-    # true: the target also waits, every step, for the drafter's k draft-model decode steps
-    drafter_latency: bool = False
+    # true (default since issue 17): the target also waits, every step, for the drafter's k
+    # draft-model decode steps; false: a drafted step costs only the verification of k extra tokens
+    drafter_latency: bool = True
+    # draft only where the cost model says it pays (gateway.core.speculation.assist_pays; the live
+    # gateway's draft.assist_gate, assist_min_gain, assist_min_waiting)
+    assist_gate: bool = True
+    assist_min_gain: float = ASSIST_MIN_GAIN
+    assist_min_waiting: int = ASSIST_MIN_WAITING
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +283,8 @@ def validate(s: Scenario) -> None:
         "draft",
         lambda: PairingParams(hysteresis=d.hysteresis, max_drafters_per_target=d.max_drafters_per_target),
     )
+    _core("recovery", lambda: OutageParams(r.resumed_first, r.outage_batch_boost))
+    _core("draft", lambda: check_gate_bounds(d.assist_min_gain, d.assist_min_waiting))
     g = s.gray
     _core("gray", lambda: GrayParams(g.enabled, g.slow_factor, g.recover_factor, g.min_peers))
     ids = set(s.worker_ids)

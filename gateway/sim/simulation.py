@@ -29,6 +29,7 @@ Every reload is recorded (`result.Reload`): source, seed, phases, seconds.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 from gateway.core.costmodel import CostModel, ReloadSource
@@ -39,11 +40,12 @@ from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_in
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
+from gateway.core.outage import OutageParams
 from gateway.core.pairing import PairingParams
 from gateway.core.reload import draft_first
 from gateway.core.types import LoadParams
 from gateway.sim import events as ev
-from gateway.sim.coordinator import Coordinator, lag_per_token
+from gateway.sim.coordinator import Coordinator, assist_gate, lag_per_token
 from gateway.sim.events import EventQueue
 from gateway.sim.request import SimRequest
 from gateway.sim.result import Reload, RunResult, RunStats, Sample
@@ -148,15 +150,21 @@ class Simulation:
             policy,
             self.cost,
             load,
-            HolderParams(load, rec.replicas, exclude, policy.placement),
+            HolderParams(load, rec.replicas, exclude, policy.placement, rec.stream_prefill),
             DispatchParams(load, policy.dispatch, rec.theta, rec.theta_mode, rec.tau, rec.service_steps),
-            PairingParams(load, scenario.draft.hysteresis, scenario.draft.max_drafters_per_target),
+            PairingParams(
+                load,
+                scenario.draft.hysteresis,
+                scenario.draft.max_drafters_per_target,
+                assist_gate(scenario.draft, self.cost, draft_cost, c.max_running_requests),
+            ),
             scenario.draft,
             StepCost(draft_cost),
             kvb,
             c.page_size,
             lag_per_token(kvb, self.cost.gpu.d2h_bw * self.cost.tp, c.network_bw),
             route_by_checkpoint_load=rec.route_by_checkpoint_load,
+            outage=OutageParams(rec.resumed_first, rec.outage_batch_boost, rec.outage_shortest_first),
         )
         self.failures: tuple[FailureSpec, ...] = scenario.failures if failures else ()
         self.detector = DetectorParams(interval_s=rec.heartbeat_interval_s)
@@ -191,14 +199,18 @@ class Simulation:
         for i, f in enumerate(self.failures):
             q.push(f.at_s, ev.KILL, i)
         q.push(0.0, ev.TICK)
+        # the hot loop: the heap and the commonest kinds as locals (a global or attribute lookup per
+        # event is measurable at millions of events)
+        heap, pop = q.heap, heapq.heappop
+        step, arrival = ev.STEP, ev.ARRIVAL
         events = 0
-        while len(q):
-            t, _, kind, a, b = q.pop()
+        while heap:
+            t, _, kind, a, b = pop(heap)
             self.now = t
             events += 1
-            if kind == ev.STEP:
+            if kind == step:
                 a.on_step(t, b)
-            elif kind == ev.ARRIVAL:
+            elif kind == arrival:
                 self._arrival(a, t)
             elif kind == ev.RESTORED:
                 r, inc = b
@@ -410,7 +422,10 @@ class Simulation:
         if self.reload_source == ReloadSource.PEER:
             seed = self.coord.choose_seed(w, [s.id for s in self.sending])
         full = self.full_load_s if seed is None else self.peer_load_s
-        first = self.policy.draft_assist and draft_first(self.draft_load_s, full)
+        # the draft first only if it would be ready first and the cost gate would pair it now
+        first = (
+            self.policy.draft_assist and draft_first(self.draft_load_s, full) and self.coord.assist_wanted()
+        )
         rl = _Reload(w, now, seed, first)
         self.reloads.append(rl)
         self.reloading[w] = rl

@@ -17,16 +17,21 @@ then the tail is prefilled; `prefill_left` is at least 1 (the last token is reco
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from gateway.core.health import WorkerState
-from gateway.sim import events as ev
 from gateway.sim.batch import DecodeBatch
-from gateway.sim.events import EventQueue
+from gateway.sim.events import RESTORED, STEP, EventQueue
 from gateway.sim.request import SimRequest
 from gateway.sim.stepcost import Run, StepCost
 
 IDLE, PREFILL, DECODE = 0, 1, 2
+
+
+def fifo_rank(q: SimRequest) -> tuple[int, int]:
+    """A queued request's rank outside a recovery: resumed first, else FIFO (core/outage.queue_rank)."""
+    return (0 if q.attempts > 1 else 1, 0)
 
 
 class EngineHost(Protocol):
@@ -53,6 +58,7 @@ class SimWorker:
         ckpt_budget_bytes: int,
     ) -> None:
         self.host, self.id, self.domain, self.cost = host, wid, domain, cost
+        self.push = host.queue.push  # the simulation's event queue (bound once: the hot path)
         self.restore_s_per_token = restore_s_per_token
         self.max_running, self.chunk, self.kv_capacity = max_running, chunk, kv_capacity
         self.ckpt_budget_bytes = ckpt_budget_bytes
@@ -69,6 +75,8 @@ class SimWorker:
         self.dirty_sink: list[SimWorker] | None = None
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
+        # a queued request's rank (`enqueue`); the coordinator ranks by prefill size while recovering
+        self.rank_of: Callable[[SimRequest], tuple[int, int]] = fifo_rank
         # step-time factor in effect (`slow`): a slow fault's (`fault_slow`, a gray failure) times a
         # seed's while it streams its weights to a restarting worker (`send_slow`)
         self.slow = 1.0
@@ -110,12 +118,23 @@ class SimWorker:
                 self.dirty_sink.append(self)
 
     # -- work arriving ---------------------------------------------------------------------------
-    def enqueue(self, r: SimRequest, now: float) -> None:
+    def enqueue(self, r: SimRequest, now: float, rank: tuple[int, int] = (1, 0)) -> None:
+        """r joins the queue behind every request of rank <= `rank` (core/outage.queue_rank: (1, 0)
+        is plain FIFO; a resumed request ranks first; `rank_of` ranks the queued ones)."""
         self.mark_dirty()
         if not self.alive:
             self.lost.append(r)  # sent to a dead worker the gateway has not yet declared failed
             return
-        self.waiting.append(r)
+        if rank == (1, 0) and (not self.waiting or self.rank_of(self.waiting[-1]) <= rank):
+            self.waiting.append(r)
+        else:
+            i = 0
+            rank_of = self.rank_of
+            for q in self.waiting:
+                if rank_of(q) > rank:
+                    break
+                i += 1
+            self.waiting.insert(i, r)
         self.kick(now)
 
     def kick(self, now: float) -> None:
@@ -129,7 +148,7 @@ class SimWorker:
                 self.seg_steps = done + 1
                 self.version += 1
                 end = self.seg_start + self.run.time(done + 1) * self.slow
-                self.host.queue.push(end, ev.STEP, self, self.version)
+                self.push(end, STEP, self, self.version)
 
     def set_speculation(self, k: int, e: float, now: float, wait_s: float = 0.0) -> None:
         """From the next step boundary: verify k drafts per request per step, emit e tokens per step on
@@ -160,7 +179,9 @@ class SimWorker:
             return  # superseded by a cut, or the worker died
         if self.busy == PREFILL:
             self.k += 1
-            self._finish_due(now)
+            heap = self.batch.heap
+            if heap and heap[0][0] <= self.k:  # a request finishes (the test of pop_finished)
+                self._finish_due(now)
             for r, n in self.chunks:
                 r.prefill_left -= n
                 r.kv_ctx += n
@@ -177,8 +198,8 @@ class SimWorker:
     def _plan(self, now: float) -> None:
         if self.pending_spec is not None or self.pending_slow is not None:
             self._apply_pending()
-        self._admit(now)
-        host = self.host
+        if self.waiting:
+            self._admit(now)
         if self.prefill_q:
             budget, new, attn, kv = self.chunk, 0, 0.0, 0.0
             chunks = self.chunks
@@ -202,14 +223,14 @@ class SimWorker:
             dt = self.cost.step(new, attn, kv) + (self.spec_wait_s if b else 0.0)
             self.busy, self.seg_start, self.seg_steps = PREFILL, now, 1
             self.version += 1
-            host.queue.push(now + dt * self.slow, ev.STEP, self, self.version)
+            self.push(now + dt * self.slow, STEP, self, self.version)
         elif self.batch:
             batch, b = self.batch, len(self.batch)
             ctx_sum = batch.ctx_sum(self.k)
             self.run = run = self.cost.decode_run(b, ctx_sum, b * batch.e, self.spec_k * b, self.spec_wait_s)
             self.busy, self.seg_start, self.seg_steps = DECODE, now, batch.next_finish() - self.k
             self.version += 1
-            host.queue.push(now + run.time(self.seg_steps) * self.slow, ev.STEP, self, self.version)
+            self.push(now + run.time(self.seg_steps) * self.slow, STEP, self, self.version)
 
     def _admit(self, now: float) -> None:
         while self.waiting and self.running < self.max_running:
@@ -233,7 +254,7 @@ class SimWorker:
                 start = max(now, self.h2d_free)
                 self.h2d_free = start + r.kv_ctx * self.restore_s_per_token
                 self.restoring.add(r)
-                self.host.queue.push(self.h2d_free, ev.RESTORED, self, (r, self.incarnation))
+                self.push(self.h2d_free, RESTORED, self, (r, self.incarnation))
             else:
                 self.prefill_q.append(r)
 

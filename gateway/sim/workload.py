@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,19 @@ class LengthFit:
 CONV_INPUT = LengthFit((29, 207, 396, 1020, 1189, 2734, 4083, 4142, 6179), lo=2, hi=14050)
 CONV_OUTPUT = LengthFit((16, 54, 85, 129, 395, 424, 451, 601, 954), lo=1, hi=1000)
 CONV_RATE = 19366 / (58 * 60 + 22)  # requests per second over the trace's 58 min 22 s
+
+# Other workload shapes (issue 17), synthetic on purpose (no other public trace): code-like (long
+# prompts, ~30-token outputs; pair it with bursty arrivals, `workload.burst_cv`) and long-output chat
+# (~2k-token prompts, ~450-token outputs). Quantiles at PROBS, chosen, not fitted to any trace.
+CODE_INPUT = LengthFit((250, 700, 1300, 2000, 2700, 3600, 4300, 5800, 7600), lo=16, hi=8192)
+CODE_OUTPUT = LengthFit((3, 8, 16, 28, 42, 62, 80, 130, 240), lo=1, hi=512)
+LONG_OUTPUT = LengthFit((120, 240, 340, 440, 550, 680, 780, 1000, 1400), lo=16, hi=2048)
+# workload.shape -> (prompt lengths, output lengths)
+SHAPES: dict[str, tuple[LengthFit, LengthFit]] = {
+    "conv": (CONV_INPUT, CONV_OUTPUT),
+    "code": (CODE_INPUT, CODE_OUTPUT),
+    "long_output": (CODE_INPUT, LONG_OUTPUT),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,26 +145,56 @@ def _timestamp(text: str) -> float:
     return seconds + (float("0." + frac) if frac else 0.0)
 
 
+class TraceError(ValueError):
+    """A trace that cannot be used; the message names the file (and the line, for a bad row)."""
+
+
+TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
 def read_trace(path: str | Path, speedup: float = 1.0) -> Workload:
-    """A `TIMESTAMP, ContextTokens, GeneratedTokens` CSV as a workload starting at time 0."""
+    """A `TIMESTAMP, ContextTokens, GeneratedTokens` CSV as a workload starting at time 0.
+
+    Raises TraceError naming the file: missing or unreadable, a header without those columns, a bad
+    row (with its line number), no rows at all. Token counts of 0 count as 1; negative ones are errors.
+    """
     if not speedup > 0:
         raise ValueError(f"speedup must be > 0, got {speedup}")
     times: list[float] = []
     prompts: list[int] = []
     outputs: list[int] = []
-    with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                times.append(_timestamp(row["TIMESTAMP"]))
-                prompts.append(max(1, int(row["ContextTokens"])))
-                outputs.append(max(1, int(row["GeneratedTokens"])))
-            except (KeyError, ValueError, TypeError) as exc:
-                raise ValueError(f"{path}:{i}: bad trace row {row!r}: {exc}") from exc
-    t = np.asarray(times, dtype=np.float64)
-    order = np.argsort(t, kind="stable")
-    t = t[order]
-    t = (t - t[0]) / speedup if len(t) else t
-    return Workload(t, np.asarray(prompts, np.int64)[order], np.asarray(outputs, np.int64)[order])
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or ())]
+            if missing:
+                raise TraceError(
+                    f"{path}:1: the header {reader.fieldnames} lacks column(s) {missing}; "
+                    f"a trace needs {', '.join(TRACE_COLUMNS)}"
+                )
+            for row in reader:
+                line = reader.line_num
+                try:
+                    t = _timestamp(row["TIMESTAMP"])
+                    p, o = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+                except (ValueError, TypeError, AttributeError) as exc:
+                    raise TraceError(f"{path}:{line}: bad trace row {row!r}: {exc}") from exc
+                if p < 0 or o < 0:
+                    raise TraceError(f"{path}:{line}: negative token count in {row!r}")
+                times.append(t)
+                prompts.append(max(1, p))
+                outputs.append(max(1, o))
+    except FileNotFoundError as exc:
+        raise TraceError(f"{path}: trace file not found") from exc
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise TraceError(f"{path}: cannot read the trace: {exc}") from exc
+    if not times:
+        raise TraceError(f"{path}: the trace has no requests")
+    at = np.asarray(times, dtype=np.float64)
+    order = np.argsort(at, kind="stable")
+    at = at[order]
+    at = (at - at[0]) / speedup
+    return Workload(at, np.asarray(prompts, np.int64)[order], np.asarray(outputs, np.int64)[order])
 
 
 def rate_of(w: Workload) -> float:
@@ -158,3 +202,46 @@ def rate_of(w: Workload) -> float:
     if len(w) < 2:
         return math.nan
     return (len(w) - 1) / float(w.arrivals[-1] - w.arrivals[0])
+
+
+def describe_trace(path: str | Path, speedup: float, w: Workload) -> dict[str, Any]:
+    """What a report says about a trace workload: the file, the speedup, and what was replayed."""
+    return {
+        "source": "trace",
+        "trace": str(path),
+        "speedup": speedup,
+        "requests": len(w),
+        "span_s": round(float(w.arrivals[-1]), 2) if len(w) else 0.0,
+        "rate_rps": _rounded(rate_of(w)),
+    }
+
+
+def describe_synthetic(shape: str, rate: float, burst_cv: float, w: Workload) -> dict[str, Any]:
+    """What a report says about a generated workload: its shape, rate and burstiness."""
+    return {
+        "source": "synthetic",
+        "shape": shape,
+        "rate_rps": round(rate, 3),
+        "burst_cv": burst_cv,
+        "requests": len(w),
+    }
+
+
+def workload_label(info: dict[str, Any]) -> str:
+    """One line naming the workload a report ran (`describe_trace` / `describe_synthetic` output)."""
+    if info.get("source") == "trace":
+        label = f"trace {info['trace']} at speedup {info['speedup']:g}"
+        if info.get("calibrated_ttft_s") is not None:
+            label += f" (calibrated to no-failure TTFT {info['calibrated_ttft_s']:g} s)"
+        return label + f", {info['requests']} requests, {info['rate_rps']} req/s"
+    label = (
+        f"synthetic {info['shape']} workload at {info['rate_rps']} req/s (burst cv {info['burst_cv']:g}), "
+        f"{info['requests']} requests"
+    )
+    if "warning" in info:
+        label = f"**{info['warning']}** — {label}"
+    return label
+
+
+def _rounded(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 3)

@@ -2,8 +2,10 @@
 
     python -m loadtests.sidebyside --modes stop_restart,fixed_checkpoint,lumen --out out/live-paper-4w
 
-For every mode: one run with the fault schedule, and one run without it (the recovery-time
-reference, EVALUATION.md). The schedule is `--fault KIND:TARGET@SECONDS[xFACTOR][+DURATION]`, repeated
+For every mode: one run with the fault schedule, and one run without it (the no-failure twin that
+recovery is measured against, docs/evaluation.md). The load is the conv-like generator (`--rate`) or a
+trace: `--trace FILE` with `--speedup X`, `--rate R` (as a speedup) or `--calibrate-ttft T`
+(loadtests/sidebyside/workload.py); summary.json's `workload` names what ran. The schedule is `--fault KIND:TARGET@SECONDS[xFACTOR][+DURATION]`, repeated
 (loadtests/faults.py: kill, hang, stall or slow; a worker id, random, busiest or top-holder), e.g.
 
     --fault slow:w1@5x4 --fault kill:top-holder@12 --fault kill:random@12
@@ -29,11 +31,20 @@ from pathlib import Path
 from typing import Any
 
 from gateway.core import evaluation as ev
+from gateway.sim.workload import TraceError, workload_label
 from loadtests.faults import FaultSchedule, FaultSpecError
-from loadtests.sidebyside.drive import build_schedule, conv_like, run_mode
+from loadtests.sidebyside.drive import build_schedule, run_mode
 from loadtests.sidebyside.report import first_fault_at, fmt, summarize, write_report
+from loadtests.sidebyside.workload import DEFAULT_RATE, LoadError, build_load
 
-SUMMARY_KEYS = ("ttft_mean_s", "tpot_mean_s", "recovery_time_s", "impact_ttft_mean_s", "impact_tpot_mean_s")
+SUMMARY_KEYS = (
+    "ttft_mean_s",
+    "tpot_mean_s",
+    "recovery_time_s",
+    "excess_ttft_request_s",
+    "impact_ttft_mean_s",
+    "impact_tpot_mean_s",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default="Qwen3-32B")
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
-    ap.add_argument("--rate", type=float, default=6.0, help="requests per second")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="requests per second of the conv-like generator (default 6); with --trace it sets the speedup "
+        "so that the trace's mean rate becomes this",
+    )
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay this CSV (TIMESTAMP, ContextTokens, GeneratedTokens): its first --duration seconds "
+        "after the speedup, lengths x --scale",
+    )
+    ap.add_argument("--speedup", type=float, metavar="X", help="replay the trace X times faster (default 1)")
+    ap.add_argument(
+        "--calibrate-ttft",
+        type=float,
+        metavar="T",
+        help="with --trace: the speedup whose no-failure mean TTFT is T s, found in the simulator on a "
+        "mirror of this cluster (the gateway's own CPU time is not modelled)",
+    )
     ap.add_argument("--scale", type=float, default=0.5, help="length scale of the conv-like workload")
     ap.add_argument("--kill-at", type=float, default=15.0)
     ap.add_argument("--time-scale", type=float, default=1.0)
@@ -79,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         sc = load_scenario(args.scenario)
         args.workers, args.model = sc.cluster.workers, sc.cluster.model
         # the scenario's rate is for modelled GPUs; a CPU box streams ~14 req/s per 4 workers at best
-        args.rate = min(args.rate, 3.5 * args.workers)
+        if args.trace is None:
+            args.rate = min(DEFAULT_RATE if args.rate is None else args.rate, 3.5 * args.workers)
     if not args.poll > 0:
         ap.error(f"--poll must be > 0, got {args.poll}")
     try:
@@ -87,14 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     except FaultSpecError as exc:
         ap.error(str(exc))
     out = Path(args.out)
-    shapes = conv_like(args.duration, args.rate, args.seed, args.scale)
+    try:
+        shapes, workload = build_load(args)
+    except (LoadError, TraceError) as exc:
+        ap.error(str(exc))
+    sys.stderr.write(f"workload: {workload_label(workload)}\n")
     modes = [m for m in args.modes.split(",") if m]
     t_start = time.monotonic()
     summary: dict[str, Any] = {
         "workers": args.workers,
         "seed": args.seed,
         "requests": len(shapes),
-        "args": vars(args),
+        "workload": workload,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "faults": [str(e) for e in schedule.events],
         "machine": f"{platform.node()} {platform.machine()} py{platform.python_version()}",
         "commit": subprocess.run(

@@ -1,5 +1,5 @@
-"""The load of a side-by-side run: the conv-like workload, the fault schedule from the flags, and one
-fresh local cluster per run driven with it while /admin/workers is polled."""
+"""A side-by-side run: the fault schedule from the flags, and one fresh local cluster per run driven
+with the load (loadtests/sidebyside/workload.py) while /admin/workers is polled."""
 
 from __future__ import annotations
 
@@ -8,35 +8,16 @@ import asyncio
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 from gateway.core import evaluation as ev
-from gateway.sim.workload import synthetic
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 from loadtests.faults import FaultRunner, FaultSchedule
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    at: float  # seconds after the load starts
-    prompt_tokens: int
-    output_tokens: int
-
-
-def conv_like(duration_s: float, rate: float, seed: int, scale: float) -> list[Shape]:
-    """Poisson arrivals with the Azure-conv length fit the simulator uses (`gateway.sim.workload`),
-    lengths multiplied by `scale` to fit a CPU box."""
-    wl = synthetic(np.random.default_rng(seed), rate, duration_s)
-    return [
-        Shape(float(t), max(8, int(p * scale)), max(4, int(o * scale)))
-        for t, p, o in zip(wl.arrivals, wl.prompts, wl.outputs, strict=True)
-    ]
+from loadtests.sidebyside.workload import Shape
 
 
 def build_schedule(

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.traces import write_trace
+
 SIM_KEYS = {
     "ttft_mean_s",
     "tpot_mean_s",
     "recovery_time_s",
+    "excess_ttft_request_s",
     "impact_ttft_mean_s",
     "impact_tpot_mean_s",
     "client_errors",
@@ -24,11 +27,12 @@ SIM_KEYS = {
 @pytest.mark.parametrize(
     ("modes", "run"),
     [
-        # one mode (and its no-failure reference), a short and light load: two clusters, not three
+        # one mode (and its no-failure reference), a short and light load replayed from a trace: two
+        # clusters, not three
         pytest.param(
             "lumen",
-            ["--duration", "2", "--kill-at", "1", "--model-load-s", "0.5", "--scale", "0.2"],
-            id="short",
+            ["--duration", "2", "--kill-at", "1", "--model-load-s", "0.5", "--scale", "0.2", "--trace", "T"],
+            id="short-trace",
         ),
         pytest.param(
             "none,lumen",
@@ -41,6 +45,8 @@ SIM_KEYS = {
 def test_loadtest_writes_the_sim_contract(tmp_path: Path, modes: str, run: list[str]) -> None:
     out = tmp_path / "lt"
     cmd = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", "paper-4w", "--out", str(out)]
+    if "T" in run:  # a generated trace at 6 req/s (--rate on a trace sets its speedup)
+        run = [str(write_trace(tmp_path / "t.csv", n=60, rate=3.0)) if a == "T" else a for a in run]
     cmd += ["--modes", modes, "--rate", "6", *run]
     cmd += ["--max-running", "8", "--set", "engine.page_size=16", "--poll", "0.5"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -48,6 +54,7 @@ def test_loadtest_writes_the_sim_contract(tmp_path: Path, modes: str, run: list[
     summary = json.loads((out / "summary.json").read_text())
     assert {"workers", "simulated_s", "wall_s", "seed"} <= set(summary)
     assert set(summary["modes"]) == set(modes.split(","))
+    assert summary["workload"]["source"] == ("trace" if "--trace" in run else "synthetic")
     for mode, row in summary["modes"].items():
         assert set(row) >= SIM_KEYS, (mode, sorted(row))
         assert row["requests"] > 0 and row["faults"], row

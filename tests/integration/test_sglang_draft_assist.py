@@ -92,7 +92,12 @@ async def restarting_drafter(gw: Gateway, endpoint: str, key: str) -> asyncio.Ta
 
 
 async def test_gateway_verified_drafts_are_accepted_and_output_is_exact() -> None:
-    async with sglang_cluster(n=1) as (gw, servers, http), fake_drafter() as (endpoint, stats, key):
+    # the verification mechanics, not when pairing pays: the assist gate (draft.assist_gate, tested in
+    # tests/unit/test_core_assist_gate.py) would not pair a drafter with a target this lightly loaded
+    async with (
+        sglang_cluster(n=1, **{"draft.assist_gate": False}) as (gw, servers, http),
+        fake_drafter() as (endpoint, stats, key),
+    ):
         beat = await restarting_drafter(gw, endpoint, key)
         try:
             # load on the target (plain streams) so that Algorithm 3 pairs the drafter with it

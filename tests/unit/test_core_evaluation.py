@@ -14,10 +14,10 @@ from gateway.core.evaluation import (
     holder_balance,
     mean_metric,
     outcomes,
-    recovery_time,
     tpot,
     ttft,
     window_means,
+    windowed_recovery_time,
 )
 
 
@@ -67,39 +67,39 @@ def test_recovery_time_hand_worked() -> None:
     baseline = run([1.0] * 10)
     # failure at 5.0 s (window 2 = [4, 6)); windows 2 and 3 are slow, window 4 is within 1.1x
     failed = run([1.0, 1.0, 3.0, 2.0, 1.05, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert recovery_time(failed, baseline, failure_at=5.0) == pytest.approx(3.0)  # 8.0 - 5.0
+    assert windowed_recovery_time(failed, baseline, failure_at=5.0) == pytest.approx(3.0)  # 8.0 - 5.0
     # a brief relapse in window 6 moves the end to 14.0
     relapse = run([1.0, 1.0, 3.0, 2.0, 1.05, 1.0, 1.2, 1.0, 1.0, 1.0])
-    assert recovery_time(relapse, baseline, failure_at=5.0) == pytest.approx(9.0)
+    assert windowed_recovery_time(relapse, baseline, failure_at=5.0) == pytest.approx(9.0)
     # an unaffected run recovers at once, even before its failure window ends
-    assert recovery_time(baseline, baseline, failure_at=5.0) == 0.0
+    assert windowed_recovery_time(baseline, baseline, failure_at=5.0) == 0.0
     # slow windows before the failure do not count
     early = run([9.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert recovery_time(early, run([1.0] * 7), failure_at=4.0) == 0.0
+    assert windowed_recovery_time(early, run([1.0] * 7), failure_at=4.0) == 0.0
 
 
 def test_never_recovered_is_none() -> None:
     baseline = run([1.0] * 10)
-    assert recovery_time(run([1.0] * 9 + [5.0]), baseline, failure_at=5.0) is None
+    assert windowed_recovery_time(run([1.0] * 9 + [5.0]), baseline, failure_at=5.0) is None
     # the last bad window leaves only 2 windows to confirm: not enough
-    assert recovery_time(run([1.0] * 7 + [5.0, 1.0, 1.0]), baseline, failure_at=5.0) is None
-    assert recovery_time(run([1.0] * 6 + [5.0, 1.0, 1.0, 1.0]), baseline, failure_at=5.0) == pytest.approx(
-        9.0
-    )
+    assert windowed_recovery_time(run([1.0] * 7 + [5.0, 1.0, 1.0]), baseline, failure_at=5.0) is None
+    assert windowed_recovery_time(
+        run([1.0] * 6 + [5.0, 1.0, 1.0, 1.0]), baseline, failure_at=5.0
+    ) == pytest.approx(9.0)
 
 
 def test_window_edge_cases() -> None:
     baseline = run([1.0, 1.0, 1.0, None, 1.0, 1.0, 1.0, 1.0])
     # a window where every request errored is not recovered; one the baseline lacks is skipped
     errored = run([1.0, 1.0, None, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert recovery_time(errored, baseline, failure_at=4.5) == pytest.approx(1.5)
+    assert windowed_recovery_time(errored, baseline, failure_at=4.5) == pytest.approx(1.5)
     # skipped windows do not count toward the 3: after window 4 only windows 5 and 7 compare
     late = run([1.0, 1.0, 1.0, 1.0, 9.0, 1.0, 1.0, 1.0])
     gap: list[float | None] = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, None, 1.0]
-    assert recovery_time(late, run(gap), failure_at=1.0) is None
-    assert recovery_time(late, run([1.0] * 8), failure_at=1.0) == pytest.approx(9.0)
+    assert windowed_recovery_time(late, run(gap), failure_at=1.0) is None
+    assert windowed_recovery_time(late, run([1.0] * 8), failure_at=1.0) == pytest.approx(9.0)
     # the TPOT variant uses the same windows
-    assert recovery_time(baseline, baseline, failure_at=3.0, metric="tpot") == 0.0
+    assert windowed_recovery_time(baseline, baseline, failure_at=3.0, metric="tpot") == 0.0
 
 
 def test_failure_impact_window() -> None:
@@ -140,7 +140,7 @@ def test_errors_and_completed_add_up(rs: list[RequestRecord]) -> None:
 
 @given(st.lists(records, max_size=50))
 def test_a_run_compared_with_itself_recovers_at_once(rs: list[RequestRecord]) -> None:
-    t = recovery_time(rs, rs, failure_at=0.0)
+    t = windowed_recovery_time(rs, rs, failure_at=0.0)
     windows = [m for m in window_means(rs, "ttft") if m is not None]
     assert t == (0.0 if len(windows) >= 3 else None)
 

@@ -72,6 +72,7 @@ ALLOWED_ON_WORKERS = (
     "gateway.core.health",
     "gateway.core.speculation",
     "gateway.core.draftpairs",
+    "gateway.core.outage",  # the queue order the engine shares with the simulator (issue 17)
 )
 
 

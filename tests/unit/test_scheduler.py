@@ -236,3 +236,15 @@ def test_every_step_respects_the_limits_and_outputs_match_ground_truth(
     for i, (p, n) in enumerate(reqs):
         want, _ = expected_output(list(range(1, p + 1)), SamplingParams(max_new_tokens=n, temperature=0.0))
         assert outputs[f"r{i}"] == want
+
+
+def test_resumed_requests_queue_ahead_of_new_ones_in_arrival_order() -> None:
+    s = make(max_running=1)
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    for rid, resumed in (("n1", False), ("r1", True), ("n2", False), ("r2", True)):
+        seq = s.make_seq(rid, [1, 2, 3], params)
+        seq.resumed = resumed
+        s.add(seq)
+    assert [q.rid for q in s.waiting] == ["r1", "r2", "n1", "n2"]
+    s.step()
+    assert [q.rid for q in s.running] == ["r1"]

@@ -132,20 +132,32 @@ def test_no_survivor_waits_for_the_restart_then_gives_up() -> None:
 
 def test_draft_assist_speeds_the_survivor_while_the_failed_worker_reloads() -> None:
     # w1 keeps a long request; w0 dies and, with draft assist, drafts for w1 until it has reloaded
+    # (the paper's unconditional pairing: w1 has nothing waiting, so the cost gate would not pair it)
     reqs = [(0.0, 1000, 20), (0.0, 100, 3000)]
     fail = {"cluster": {"workers": 2}, "failures": [{"at_s": 0.2, "workers": ["w0"]}]}
-    with_draft = run("lumen", reqs, **fail)
-    without = run("lumen-no-draft", reqs, **fail)
+    ungated = {"assist_gate": False}
+    with_draft = run("lumen", reqs, draft=ungated, **fail)
+    without = run("lumen-no-draft", reqs, draft=ungated, **fail)
     assert with_draft.stats.pairings >= 1 and with_draft.stats.acceptance_rate == 0.7
     assert without.stats.pairings == 0
     assert with_draft.records[1].last_token < without.records[1].last_token
 
 
+def test_the_cost_gate_does_not_draft_for_a_survivor_with_nothing_waiting() -> None:
+    # the same failure: w1's one request has no queue behind it, so no draft model is loaded first
+    reqs = [(0.0, 1000, 20), (0.0, 100, 3000)]
+    fail = {"cluster": {"workers": 2}, "failures": [{"at_s": 0.2, "workers": ["w0"]}]}
+    gated = run("lumen", reqs, **fail)
+    assert gated.stats.pairings == 0
+    assert not any(rl.draft_first for rl in gated.stats.reloads)
+
+
 def test_draft_assist_with_drafter_latency_helps_less() -> None:
     reqs = [(0.0, 1000, 20), (0.0, 100, 3000)]
     fail: dict[str, Any] = {"cluster": {"workers": 2}, "failures": [{"at_s": 0.2, "workers": ["w0"]}]}
-    fast = run("lumen", reqs, **fail).records[1].last_token
-    slow = run("lumen", reqs, draft={"drafter_latency": True}, **fail).records[1].last_token
+    free = {"assist_gate": False, "drafter_latency": False}
+    fast = run("lumen", reqs, draft=free, **fail).records[1].last_token
+    slow = run("lumen", reqs, draft={**free, "drafter_latency": True}, **fail).records[1].last_token
     assert fast is not None and slow is not None and fast < slow
 
 
@@ -167,3 +179,42 @@ def test_gray_failure_degrades_the_slow_worker_and_moves_its_requests_when_enabl
         assert res.stats.restores + res.stats.replays == moved
     else:
         assert res.stats.degradations == 0 and moved == 0
+
+
+def test_the_outage_batch_boost_lets_the_survivor_run_a_larger_batch_until_the_backlog_drains() -> None:
+    # 2 workers with a batch limit of 4; 12 long requests; w0 dies: w1 gets 8 requests' worth of work
+    reqs = [(0.01 * i, 200, 400) for i in range(12)]
+    fail = {
+        "cluster": {"workers": 2, "max_running_requests": 4},
+        "failures": [{"at_s": 0.5, "workers": ["w0"]}],
+        "recovery": {"no_worker_wait_s": 600.0},
+    }
+    plain = run("lumen", reqs, **fail)
+    boosted = run(
+        "lumen", reqs, **{**fail, "recovery": {"outage_batch_boost": 2.0, "no_worker_wait_s": 600.0}}
+    )
+    assert not any(r.error for r in plain.records + boosted.records)
+
+    def mean_ttft(res: RunResult) -> float:
+        return sum((r.first_token or 0.0) - r.arrival for r in res.records) / len(res.records)
+
+    # a larger batch admits the queued requests earlier
+    assert mean_ttft(boosted) < mean_ttft(plain)
+
+
+def test_shortest_prefill_first_orders_a_survivors_queue_only_while_recovering() -> None:
+    # w1 is busy with 1 long request (batch limit 1); w0 dies with nothing; then a long and a short
+    # prompt arrive: while recovering the short one goes first, otherwise FIFO
+    reqs = [(0.0, 100, 2000), (0.0, 100, 3000), (1.0, 3000, 2), (1.01, 50, 2)]
+    fail = {
+        "cluster": {"workers": 2, "max_running_requests": 1},
+        "failures": [{"at_s": 0.5, "workers": ["w0"]}],
+        "recovery": {"no_worker_wait_s": 600.0},
+    }
+    fifo = run("lumen", reqs, **fail).records
+    sjf_recovery = {"outage_shortest_first": True, "no_worker_wait_s": 600.0}
+    sjf = run("lumen", reqs, **{**fail, "recovery": sjf_recovery}).records
+    assert fifo[2].first_token is not None and fifo[3].first_token is not None
+    assert sjf[2].first_token is not None and sjf[3].first_token is not None
+    assert fifo[2].first_token < fifo[3].first_token  # FIFO: the long prompt was first in the queue
+    assert sjf[3].first_token < sjf[2].first_token  # shortest first while w0 reloads

@@ -106,12 +106,16 @@ def test_run_scenario_summary_has_every_metric() -> None:
             "replays",
             "acceptance_rate",
             "recovery_time_robust_s",
+            "recovery_time_windowed_s",
+            "excess_ttft_request_s",
             "impact_ttft_x_baseline",
             "ttft_after_failure_s",
         ):
             assert key in m
     assert summary["modes"]["none"]["client_errors"] > 0
     assert summary["modes"]["lumen"]["client_errors"] == 0
+    # the failure cost every failover mode request-seconds of TTFT against its no-failure twin
+    assert all(summary["modes"][m]["excess_ttft_request_s"] > 0 for m in ("stop_restart", "lumen"))
     # one common window for every mode
     assert len({m["window_s"] for m in summary["modes"].values()}) == 1
     json.dumps(summary, allow_nan=False)

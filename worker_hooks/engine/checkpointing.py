@@ -44,7 +44,12 @@ from worker_hooks.kv.store import CheckpointStore
 
 log = structlog.get_logger(__name__)
 
-STORE_BIND = "tcp://127.0.0.1:0"
+
+def store_bind(host: str) -> str:
+    """The store's PULL endpoint: the worker's own address (spec.host), any free port."""
+    return f"tcp://{host}:0"
+
+
 # how long closing a sender (reset, shutdown) waits for queued pages to reach the holders
 SENDER_DRAIN_S = 0.1
 EXPIRE_PERIOD_MAX_S = 5.0
@@ -124,6 +129,7 @@ class Checkpointer:
     ) -> None:
         self.worker_id = worker_id
         self.auth = auth
+        self.host = spec.host
         self.page_size = spec.page_size
         self._source = pages
         if pages is not None:
@@ -163,7 +169,7 @@ class Checkpointer:
         self._ctx = zmq.asyncio.Context()
         self.sender = self._new_sender(incarnation)
         if self.store is not None:
-            self.server = StoreServer(self.store, STORE_BIND, auth=self.auth, ctx=self._ctx)
+            self.server = StoreServer(self.store, store_bind(self.host), auth=self.auth, ctx=self._ctx)
             self.endpoint = await self.server.start()
             period = min(self.store.orphan_ttl_s / 4, EXPIRE_PERIOD_MAX_S)
             self._expire_task = asyncio.create_task(

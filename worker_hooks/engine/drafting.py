@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-DRAFT_BIND = "tcp://127.0.0.1:0"
 # how long a retiring drafter waits for the gateway to end its pairs, and for rounds to stop arriving
 LINGER_S = 2.0
 MAX_QUIET_WAIT_S = 1.0
@@ -86,7 +85,12 @@ class DrafterRole:
             )
         self._gate = _LoadingGate(drafter)
         self._server = DrafterServer(
-            self._gate, DRAFT_BIND, auth=auth, cost=self.cost, time_scale=time_scale, thread=self._thread
+            self._gate,
+            f"tcp://{spec.host}:0",
+            auth=auth,
+            cost=self.cost,
+            time_scale=time_scale,
+            thread=self._thread,
         )
         self.quiet_s = max(0.02, spec.draft_timeout_ms / 1000.0)
         self.endpoint = ""  # "" before start and after retirement

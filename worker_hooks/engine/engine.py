@@ -30,6 +30,7 @@ import structlog
 
 from gateway.core.costmodel import CostModel, StepWork
 from gateway.core.health import Phase
+from gateway.core.outage import OutageParams, queue_first
 from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.planes import PlaneAuth
@@ -250,11 +251,14 @@ class Engine:
         seq: Seq
         if not isinstance(self.scheduler, Scheduler):
             restored, data = self.ckpt.restore(req.input_ids)  # real KV bytes, copied out now
-            seq = self.scheduler.make_seq(req.rid, req.input_ids, req.sampling_params, seed_base, restored, data)
+            seq = self.scheduler.make_seq(
+                req.rid, req.input_ids, req.sampling_params, seed_base, restored, data
+            )
         else:
             restored = self.ckpt.restorable(req.input_ids)
             seq = self.scheduler.make_seq(req.rid, req.input_ids, req.sampling_params, seed_base, restored)
         seq.top_logprobs = req.top_logprobs_num if req.return_logprob else -1
+        seq.resumed = ext is not None and queue_first(ext.attempt, OutageParams())
         if not self.scheduler.fits_ever(seq):
             raise errors.PromptTooLong(
                 f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "

@@ -99,7 +99,10 @@ class EngineCollector(Collector):
             "another incarnation (stale_epoch).",
             labels=["plane", "reason"],
         )
-        for plane, counts in (("kv", engine.ckpt.plane_refusals()), ("draft", engine.assist.plane_refusals())):
+        for plane, counts in (
+            ("kv", engine.ckpt.plane_refusals()),
+            ("draft", engine.assist.plane_refusals()),
+        ):
             for reason, n in counts.items():
                 refused.add_metric([plane, reason], n)
         yield refused

@@ -2,7 +2,7 @@
 
 Pure and synchronous: the engine shell calls `step()`, sleeps for the modelled time of the returned
 `StepWork`, then delivers the emissions. Policy, as in SGLang with mixed chunked prefill:
-- the waiting queue is FCFS; its head is admitted while fewer than `max_running` requests run, the
+- the waiting queue is FCFS (resumed requests ahead of new ones, issue 17); its head is admitted while fewer than `max_running` requests run, the
   step still has prefill budget, and the KV pool can reserve the request's worst case
   (prompt + max_new_tokens), so decode never runs out of pages and nothing is ever preempted;
 - at most `chunked_prefill_size` prompt tokens are prefilled per step, requests already part-way
@@ -53,6 +53,8 @@ class Seq:
     output: list[int] = field(default_factory=list)
     # -1: no log probabilities; k >= 0: each emitted token's, with the k most likely at its position
     top_logprobs: int = -1
+    # a resumed attempt queued ahead of new requests (gateway.core.outage.queue_first)
+    resumed: bool = False
 
     @property
     def context_len(self) -> int:
@@ -142,10 +144,20 @@ class BatchScheduler:
         return seq.reserve_pages <= self.pool.total_pages
 
     def add(self, seq: Seq) -> None:
+        """Queue `seq`: FCFS, except that a resumed request (`seq.resumed`) goes ahead of every new
+        one, behind the resumed requests queued before it."""
         if seq.rid in self._by_rid:
             raise ValueError(f"duplicate request id {seq.rid!r}")
         self._by_rid[seq.rid] = seq
-        self.waiting.append(seq)
+        if not seq.resumed:
+            self.waiting.append(seq)
+            return
+        i = 0
+        for queued in self.waiting:
+            if not queued.resumed:
+                break
+            i += 1
+        self.waiting.insert(i, seq)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._by_rid

@@ -1,0 +1,67 @@
+"""Survivors' admission during an outage (issue 17): queue order and batch limit.
+
+While a failed worker reloads, its load is on the survivors; their queues hold both the requests
+resumed from the failed worker (whose clients are mid-stream, frozen) and new arrivals.
+
+- `resumed_first`: a resumed request goes to the front of its new worker's queue (it has already
+  waited once and its client sees a stalled stream); new arrivals keep FIFO order among themselves.
+- `batch_boost`: while a failure's outage or the backlog it left lasts, a survivor admits up to
+  `batch_boost` x its normal batch limit (KV permitting): decode is weight-streaming bound, so a
+  larger batch raises throughput at a small cost in time per token, and drains the backlog sooner.
+  1 (the default) is off.
+- `shortest_first`: while a failure's outage or backlog lasts, a survivor's queue is ordered by the
+  tokens each request has to prefill, fewest first (after the resumed ones): when prefill is the
+  bottleneck (long prompts, short outputs) this lowers the mean TTFT, at the tail's expense.
+
+Both are pure and shared by the simulator and the live engine (`worker_hooks/engine/scheduler.py`
+takes the queue order; the batch boost is simulator-only for now: SGLang's batch limit is a launch
+argument).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gateway.core.types import check
+
+
+@dataclass(frozen=True, slots=True)
+class OutageParams:
+    resumed_first: bool = True
+    batch_boost: float = 1.0
+    shortest_first: bool = False
+
+    def __post_init__(self) -> None:
+        ok = self.batch_boost >= 1 and math.isfinite(self.batch_boost)
+        check(ok, "batch_boost", self.batch_boost, "must be a finite number >= 1")
+
+
+def admission_limit(base: int, params: OutageParams, recovering: bool) -> int:
+    """A worker's batch limit: `base`, or `base × batch_boost` (rounded down, at least `base`) while
+    the cluster recovers from a failure (its outage, then until the backlog it left has drained)."""
+    if not recovering or params.batch_boost <= 1:
+        return base
+    return max(base, math.floor(base * params.batch_boost))
+
+
+def backlog_drained(waiting: int, serving_workers: int, all_serving: bool) -> bool:
+    """Whether a recovery is over: every worker serves again and at most one request per serving
+    worker is queued (the noise of normal operation, not a backlog)."""
+    return all_serving and waiting <= serving_workers
+
+
+def queue_first(attempt: int, params: OutageParams) -> bool:
+    """Whether a request's attempt goes to the front of its worker's queue: a resumed request (the
+    gateway numbers attempts from 1) when `resumed_first` is on. Both shells ask this."""
+    return params.resumed_first and attempt > 1
+
+
+def queue_rank(attempt: int, prefill_tokens: int, params: OutageParams, recovering: bool) -> tuple[int, int]:
+    """Where a request stands in its worker's queue: lower first, FIFO among equal ranks. Resumed
+    attempts first (`queue_first`); with `shortest_first`, while the cluster recovers, fewer tokens
+    to prefill first (prompt lengths are known on arrival: no oracle). (1, 0) is plain FIFO."""
+    return (
+        0 if queue_first(attempt, params) else 1,
+        prefill_tokens if recovering and params.shortest_first else 0,
+    )

@@ -1,0 +1,58 @@
+"""Survivors' admission during an outage (gateway.core.outage): queue order and batch limit."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.core.outage import OutageParams, admission_limit, backlog_drained, queue_first, queue_rank
+from gateway.core.types import ParamError
+
+
+@given(st.integers(1, 512), st.floats(1.0, 8.0), st.booleans())
+def test_the_limit_is_the_base_unless_recovering_and_never_below_it(
+    base: int, boost: float, recovering: bool
+) -> None:
+    limit = admission_limit(base, OutageParams(batch_boost=boost), recovering)
+    assert limit >= base
+    if not recovering or boost == 1.0:
+        assert limit == base
+    else:
+        assert limit == max(base, int(base * boost))
+
+
+@given(st.integers(0, 10), st.booleans())
+def test_only_resumed_attempts_go_first_and_only_when_on(attempt: int, on: bool) -> None:
+    assert queue_first(attempt, OutageParams(resumed_first=on)) == (on and attempt > 1)
+
+
+@given(st.integers(0, 100), st.integers(1, 16), st.booleans())
+def test_a_recovery_ends_only_with_every_worker_serving_and_no_backlog(
+    waiting: int, serving: int, all_serving: bool
+) -> None:
+    assert backlog_drained(waiting, serving, all_serving) == (all_serving and waiting <= serving)
+
+
+@pytest.mark.parametrize("boost", [0.5, 0.999, float("inf"), float("nan")])
+def test_a_boost_below_one_or_not_finite_is_refused(boost: float) -> None:
+    with pytest.raises(ParamError) as exc:
+        OutageParams(batch_boost=boost)
+    assert exc.value.field == "batch_boost"
+
+
+@given(st.integers(0, 6), st.integers(1, 10_000), st.booleans(), st.booleans(), st.booleans())
+def test_queue_rank_puts_resumed_first_and_orders_by_prefill_only_while_recovering(
+    attempt: int, tokens: int, resumed_first: bool, shortest: bool, recovering: bool
+) -> None:
+    p = OutageParams(resumed_first=resumed_first, shortest_first=shortest)
+    first, size = queue_rank(attempt, tokens, p, recovering)
+    assert first == (0 if queue_first(attempt, p) else 1)
+    assert size == (tokens if shortest and recovering else 0)
+    # with both levers off the rank is plain FIFO's
+    assert queue_rank(attempt, tokens, OutageParams(resumed_first=False), recovering) == (1, 0)
+
+
+def test_a_queue_sorted_by_rank_is_resumed_then_shortest_then_fifo() -> None:
+    p = OutageParams(shortest_first=True)
+    queue = [("new-long", 1, 4000), ("resumed", 2, 3000), ("new-short", 1, 200), ("new-short-2", 1, 200)]
+    order = sorted(queue, key=lambda q: queue_rank(q[1], q[2], p, True))
+    assert [q[0] for q in order] == ["resumed", "new-short", "new-short-2", "new-long"]

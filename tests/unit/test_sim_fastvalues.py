@@ -1,0 +1,98 @@
+"""The simulator's fast paths give the same values and the same runs as the plain ones.
+
+`gateway.sim.fastvalues` builds WorkerView and RequestRecord without their frozen `__init__`: the
+values must be indistinguishable, and a run with the plain constructors swapped back in must produce
+exactly the same records, samples and statistics. (The simulator's other speed-ups are checked
+against the tree before them by `scripts/bench_sim.py golden`, which fingerprints whole runs.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from gateway.core.evaluation import RequestRecord
+from gateway.core.health import WorkerState
+from gateway.core.load import estimated_load
+from gateway.core.modes import policy_for
+from gateway.core.types import LoadParams, WorkerView
+from gateway.sim import coordinator, fastvalues, request
+from gateway.sim.result import RunResult
+from gateway.sim.runner import build_workload
+from gateway.sim.scenario import parse_scenario
+from gateway.sim.simulation import Simulation
+
+
+class _W:
+    id, state, incarnation, domain = "w3", WorkerState.DRAFT_READY, 2, "d1"
+    ckpt_tokens, ckpt_bytes, ckpt_budget_bytes = 700, 7000, 10**9
+
+
+def test_worker_view_is_a_worker_view_equal_to_the_constructors() -> None:
+    fast = fastvalues.worker_view(_W(), 5, 3, 1200, 4000, 2)  # type: ignore[arg-type]
+    plain = WorkerView("w3", WorkerState.DRAFT_READY, 2, 5, 3, 1200, 4000, 700, 7000, 10**9, "d1", 2)
+    assert type(fast) is WorkerView
+    assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+    assert [getattr(fast, f.name) for f in dataclasses.fields(WorkerView)] == [
+        getattr(plain, f.name) for f in dataclasses.fields(WorkerView)
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.running = 1  # type: ignore[misc]
+    params = LoadParams()
+    assert estimated_load(fast, params) == estimated_load(plain, params)  # the memo slot works
+
+
+def test_request_record_equals_the_constructors_and_validates_the_same() -> None:
+    args = (1.0, 1.5, 3.0, 7, True, False, 0.25)
+    fast, plain = fastvalues.request_record(*args), RequestRecord(*args)
+    assert type(fast) is RequestRecord and fast == plain and repr(fast) == repr(plain)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.error = True  # type: ignore[misc]
+    for bad in ((1.0, 1.5, None, 7, False, False, None), (2.0, 1.5, 3.0, 7, False, False, None)):
+        with pytest.raises(ValueError):
+            RequestRecord(*bad)
+        with pytest.raises(ValueError):
+            fastvalues.request_record(*bad)
+
+
+def _run(mode: str) -> RunResult:
+    s = parse_scenario(
+        {
+            "cluster": {"workers": 5, "model": "Qwen3-8B", "draft_model": "Qwen3-0.6B"},
+            "workload": {"rate": 50.0, "duration_s": 24.0},
+            "failures": [{"at_s": 8.0, "workers": ["w1"]}, {"at_s": 14.0, "workers": ["w2", "w4"]}],
+        },
+        name="fast-paths",
+    )
+    return Simulation(s, policy_for(mode), build_workload(s, 3), 3).run()
+
+
+def test_a_run_with_the_plain_constructors_is_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = _run("lumen")
+
+    def plain_view(w, running, waiting, kv_used, kv_capacity, pending):  # type: ignore[no-untyped-def]
+        return WorkerView(
+            w.id,
+            w.state,
+            w.incarnation,
+            running,
+            waiting,
+            kv_used,
+            kv_capacity,
+            w.ckpt_tokens,
+            w.ckpt_bytes,
+            w.ckpt_budget_bytes,
+            w.domain,
+            pending,
+        )
+
+    monkeypatch.setattr(coordinator, "worker_view", plain_view)
+    monkeypatch.setattr(request, "request_record", RequestRecord)
+    plain = _run("lumen")
+    assert fast.records == plain.records
+    assert fast.stats == plain.stats
+    assert np.array_equal(fast.sample_times, plain.sample_times)
+    assert np.array_equal(fast.queue, plain.queue) and np.array_equal(fast.ckpt_tokens, plain.ckpt_tokens)
+    assert fast.stats.restores + fast.stats.replays > 0  # the failures did interrupt requests
