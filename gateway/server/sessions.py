@@ -37,7 +37,7 @@ from gateway.core.types import LoadParams
 from gateway.protocol.generate import AdoptRequest, EngineKind, GenerateChunk, HolderRef
 from gateway.protocol.sglang import SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
-from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta
+from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta, attempt_rid
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
@@ -200,6 +200,12 @@ class SessionManager:
         if worker is None or not usable:
             self._resumed(s, "replay", at, "its worker is gone")
             return
+        if at.base:
+            # the attempt started mid-choice (it had moved before): its worker's output begins at id
+            # `base`, and this gateway lacks the ids before it, so the choice is replayed (exact, same
+            # seed) instead of adopted
+            self._resumed(s, "replay", at, f"its attempt starts at output id {at.base}")
+            return
         s.attempts += 1
         s.worker_id, s.incarnation = worker.id, worker.incarnation
         stream = WorkerStream(
@@ -233,7 +239,7 @@ class SessionManager:
 
     async def _attempt(self, s: Session, worker: WorkerRecord) -> AsyncIterator[TokenDelta]:
         sp = s.job.sampling
-        wrid = f"{s.job.rid}-{s.attempts}"
+        wrid = attempt_rid(s.job.rid, s.attempts, len(s.emitted))
         sglang = worker.engine is EngineKind.SGLANG
         holders: list[HolderRef] = []
         # an SGLang server checkpoints only through Lumen's plugin and page store (its agent then

@@ -35,8 +35,25 @@ class Attempt:
     """A worker attempt of a job: where its tokens come from (and where another gateway may adopt it)."""
 
     worker_id: str
-    wrid: str  # the request's id on that worker
+    wrid: str  # the request's id on that worker (`attempt_rid`)
     epoch: int  # the worker's incarnation
+
+    @property
+    def base(self) -> int:
+        """Output ids of the choice before this attempt's first (its worker's output starts there)."""
+        return attempt_base(self.wrid)
+
+
+def attempt_rid(rid: str, n: int, base: int) -> str:
+    """The id of a job's n-th attempt on its worker. One that starts after `base` output ids (a resume:
+    its prompt carries them) says so, `<rid>-<n>+<base>`, so that a gateway adopting it later knows
+    where its output starts in the choice (the id travels in the signed stream position)."""
+    return f"{rid}-{n}" if base == 0 else f"{rid}-{n}+{base}"
+
+
+def attempt_base(wrid: str) -> int:
+    _, plus, base = wrid.rpartition("+")
+    return int(base) if plus and base.isdigit() else 0
 
 
 @dataclass(frozen=True, slots=True)
