@@ -1,5 +1,5 @@
 """The side-by-side report: per-mode metrics (`gateway.core.evaluation`, as the simulator) and the files
-summary.json, summary.md and timelines.json; the plots are loadtests/sidebyside/plots.py."""
+summary.json, summary.md, timelines.json and records.json; the plots are loadtests/sidebyside/plots.py."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def write_report(
     failure_at: float,
     timelines: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """summary.json, summary.md, timelines.json and (with matplotlib) timeline.png + queues-MODE.png.
+    """summary.json, summary.md, timelines.json, records.json and (with matplotlib) timeline.png +
+    queues-MODE.png.
 
     `timelines` is keyed like `series`: per run its polled worker `queue`, the `faults` fired, and for
     faulted runs `failure_at` and `recovery_time_s`."""
@@ -72,6 +73,11 @@ def write_report(
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if timelines:
         (out / "timelines.json").write_text(json.dumps(timelines))
+    # every run's client records, in workload order (the twin pairs by index): the measure can be
+    # recomputed with other parameters without rerunning the clusters
+    fields = ("arrival", "first_token", "last_token", "output_tokens", "interrupted", "error")
+    records = {name: [[getattr(r, f) for f in fields] for r in recs] for name, recs in series.items()}
+    (out / "records.json").write_text(json.dumps({"fields": fields, "runs": records}))
     modes = summary["modes"]
     cols = [
         "ttft_mean_s",

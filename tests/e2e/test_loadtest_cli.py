@@ -62,3 +62,5 @@ def test_loadtest_writes_the_sim_contract(tmp_path: Path, modes: str, run: list[
     table = (out / "summary.md").read_text()
     assert all(f"| {mode} |" in table for mode in summary["modes"])
     assert (out / "timeline.png").stat().st_size > 0
+    runs = json.loads((out / "records.json").read_text())["runs"]
+    assert len(runs[next(iter(summary["modes"]))]) == summary["requests"]
