@@ -148,6 +148,7 @@ async def test_stalled_engine_with_live_heartbeats_is_caught_by_the_stall_timeou
     await admin(c.url, "POST", f"/admin/workers/{stalled['worker']}/kill?mode=unstall")
 
 
+@pytest.mark.slow  # streaming resumes run by default (test_kill_busiest_worker_mid_generation)
 async def test_non_streaming_chat_and_completions_resume_identically(cluster_factory) -> None:
     """Non-streamed chat and completions: outputs with a kill equal the outputs of a run without one."""
     import subprocess

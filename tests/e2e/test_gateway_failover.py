@@ -63,7 +63,12 @@ async def drive_and_kill(c: ClusterProcess, reqs: list[RequestResult], kill_work
     return {"metrics": metrics, "victim": victim}
 
 
-@pytest.mark.parametrize("kill_worker", [False, True], ids=["gateway", "gateway+worker"])
+@pytest.mark.parametrize(
+    "kill_worker",
+    # the gateway-only case runs by default; with a worker killed too, in the slow suite (CI's second step)
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["gateway", "gateway+worker"],
+)
 def test_a_gateway_killed_mid_stream_loses_no_token(tmp_path: Path, kill_worker: bool) -> None:
     reqs = make_requests(16, seed=16, min_out=150, max_out=220)
     overrides = {**E2E_OVERRIDES, "recovery.mode": "lumen"}

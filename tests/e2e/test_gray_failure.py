@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.e2e.conftest import admin, assert_exact, make_requests, run_requests, wait_for
 
 GRAY = {
@@ -19,6 +21,7 @@ GRAY = {
 }
 
 
+@pytest.mark.slow  # in process by default: tests/integration/test_gray_monitor.py
 async def test_slow_worker_is_degraded_its_requests_move_and_it_comes_back(cluster_factory) -> None:
     c = cluster_factory(workers=4, mode="lumen", **GRAY)
     reqs = make_requests(32, seed=41, min_out=200, max_out=300)
