@@ -23,6 +23,9 @@ PROGRESSIVE = {
     "engine.draft_load_s": 0.3,
     "engine.model_load_s": 4.0,
     "draft.agreement": 0.7,
+    # the mechanism, not when it pays: the assist gate (draft.assist_gate, on by default) judges that
+    # drafting for a survivor this lightly loaded costs more than it saves, and would not pair
+    "draft.assist_gate": False,
 }
 
 
