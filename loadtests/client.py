@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -106,26 +106,31 @@ async def _read_stream(
         if resp.status != 200:
             r.error = (await resp.text())[:300]
             return "error"
-        # an event counts once complete (its blank line): its text and its id together, so a break
-        # inside an event neither keeps half of it nor loses it on the resume
-        event_id: str | None = None
-        data: list[bytes] = []
-        async for raw in resp.content:
-            line = raw.strip()
-            if line.startswith(b"id:"):
-                event_id = line[3:].strip().decode()
-            elif line.startswith(b"data:"):
-                data.append(line[5:].strip())
-            elif not line and data:
-                for payload in data:
-                    if payload == b"[DONE]":
-                        return "done"
-                    if _take(json.loads(payload), r, parts) == "error":
-                        return "error"
-                if event_id is not None:
-                    at.append(event_id)
-                event_id, data = None, []
+        async for event_id, data in sse_events(resp.content):
+            for payload in data:
+                if payload == b"[DONE]":
+                    return "done"
+                if _take(json.loads(payload), r, parts) == "error":
+                    return "error"
+            if event_id is not None:
+                at.append(event_id)
     return "broken"
+
+
+async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str | None, list[bytes]]]:
+    """A response's SSE events as (id, data payloads), each once complete (its blank line): its text
+    and its id together, so a break inside an event neither keeps half of it nor loses it on a resume."""
+    event_id: str | None = None
+    data: list[bytes] = []
+    async for raw in content:
+        line = raw.strip()
+        if line.startswith(b"id:"):
+            event_id = line[3:].strip().decode()
+        elif line.startswith(b"data:"):
+            data.append(line[5:].strip())
+        elif not line and data:
+            yield event_id, data
+            event_id, data = None, []
 
 
 def _take(obj: dict[str, object], r: RequestResult, parts: list[str]) -> str:

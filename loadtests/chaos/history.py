@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from gateway.protocol.streamid import StreamIdError, StreamPosition, read_position
+from loadtests.client import sse_events
 
 
 def decode_position(key: bytes, text: str) -> StreamPosition | None:
@@ -117,28 +118,19 @@ async def _read(
         if resp.status != 200:
             h["error"] = (await resp.text())[:300]
             return "broken" if resp.status >= 502 else "error"
-        event_id: str | None = None
-        data: list[bytes] = []
-        async for raw in resp.content:
-            line = raw.strip()
-            if line.startswith(b"id:"):
-                event_id = line[3:].strip().decode()
-            elif line.startswith(b"data:"):
-                data.append(line[5:].strip())
-            elif not line and data:
-                for payload in data:
-                    if payload == b"[DONE]":
-                        return "done"
-                    obj = json.loads(payload)
-                    h["rid"] = h["rid"] or str(obj.get("id", ""))
-                    err = obj.get("error")
-                    if isinstance(err, dict):
-                        h["error"] = str(err.get("message", "error"))
-                        return "error"
-                    _record(obj, event_id, g, h, key, t0)
-                if event_id is not None:
-                    at.append(event_id)
-                event_id, data = None, []
+        async for event_id, data in sse_events(resp.content):
+            for payload in data:
+                if payload == b"[DONE]":
+                    return "done"
+                obj = json.loads(payload)
+                h["rid"] = h["rid"] or str(obj.get("id", ""))
+                err = obj.get("error")
+                if isinstance(err, dict):
+                    h["error"] = str(err.get("message", "error"))
+                    return "error"
+                _record(obj, event_id, g, h, key, t0)
+            if event_id is not None:
+                at.append(event_id)
     return "broken"
 
 
