@@ -54,8 +54,13 @@ def test_a_step_shorter_than_half_the_smoothing_is_below_resolution() -> None:
     assert recovery_from(series(step_s=P.smooth_s / 2 - 0.5, height=9.0), FAIL) == 0.0
 
 
+# steps clear of the smoothing's resolution edge: a step of half the median window holds exactly half
+# of it, a tie one outlier decides (hypothesis found d = 5 s: 0 s clean, 5.25 s with one outlier)
+RESOLVED_STEPS = st.one_of(st.floats(1.0, P.smooth_s / 2 - 0.5), st.floats(P.smooth_s / 2 + 0.5, 100.0))
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.floats(1.0, 100.0), st.floats(0.06, 50.0), st.integers(0, int(END * RATE) - 1))
+@given(RESOLVED_STEPS, st.floats(0.06, 50.0), st.integers(0, int(END * RATE) - 1))
 def test_one_outlier_never_extends_recovery(d: float, height: float, outlier: int) -> None:
     """One slow (or failed) request moves the median's crossing by one request at most, and only when it
     sits at the step's edge; elsewhere it changes nothing."""
