@@ -114,6 +114,10 @@ class GatewayFleet:
         argv += ["--port", str(g.http_port), "--control-port", str(g.control_port)]
         if self.shared_port:
             argv += ["--set", "gateway.reuse_port=true"]
+        # each gateway keeps its fences across its restarts (gateway/server/workers/fences.py): in
+        # <state_dir>/gateway-<i> when one is configured, else beside its log
+        base = Path(self.config.gateway.state_dir) if self.config.gateway.state_dir else self.log_dir
+        argv += ["--set", f"gateway.state_dir={json.dumps(str(base / f'gateway-{g.index}'))}"]
         return argv
 
     async def _spawn(self, g: GatewayProcess) -> None:

@@ -70,6 +70,10 @@ class GatewaySection:
     control_insecure: bool = False
     # accept on `port` with SO_REUSEPORT, beside other gateway processes of one cluster (all cores)
     reuse_port: bool = False
+    # a directory for state that must outlive the process: the fences (worker incarnations this
+    # gateway declared failed, refused again after a restart; gateway/server/workers/fences.py).
+    # Empty: none, and a restarted gateway forgets its fences. One directory per gateway process.
+    state_dir: str = ""
     log_level: str = "info"
     log_format: LogFormat = LogFormat.CONSOLE
 

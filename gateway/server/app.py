@@ -39,6 +39,7 @@ from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.recovery.reload import ReloadCoordinator
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
+from gateway.server.workers.fences import FenceLedger
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
 from gateway.server.workers.sglang import SGLangPoller, SGLangTarget
 
@@ -53,6 +54,7 @@ class Gateway:
         self.config = config
         self.fault_injector = fault_injector
         self.metrics = GatewayMetrics()
+        self.fences = FenceLedger(config.gateway.state_dir) if config.gateway.state_dir else None
         self.monitor = LoadMonitor(
             clock=time.monotonic,
             heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
@@ -60,6 +62,7 @@ class Gateway:
             correlated_grace_s=config.health.correlated_silence_s,
             detector=config.health.detector(),
             record_retention_s=config.health.record_retention_s,
+            fences=self.fences,
         )
         self.monitor.on_state_change.append(self._on_state_change)
         self.control = ControlService(
@@ -250,6 +253,8 @@ class Gateway:
             self.monitor.check_gray(params, gr.window_s, gr.probation_s, migrate=migrate)
 
     async def stop(self) -> None:
+        if self.fences is not None:
+            self.fences.close()  # our own streams ending from here on fences nobody
         if self._runner is not None:
             await self._runner.cleanup()
         if self.sglang is not None:

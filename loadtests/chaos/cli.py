@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from gateway.config import ConfigError, load_config, parse_set
-from loadtests.chaos.netfaults import netem_available, nft_missing
+from loadtests.chaos.netfaults import delay_backend, nft_missing
 from loadtests.chaos.netns import LabError, cleanup_leftovers, missing_tools
 from loadtests.chaos.netspec import NetSpecError
 from loadtests.chaos.orchestrate import ChaosSetup, hosts_of, run_chaos, validate
@@ -63,7 +63,12 @@ def main(argv: list[str]) -> int:
         faults = list(args.fault)
         if args.fault_rate > 0:
             faults += random_faults(
-                args.seed, args.duration, args.fault_rate, gateways=gws, workers=ws, netem=netem_available()
+                args.seed,
+                args.duration,
+                args.fault_rate,
+                gateways=gws,
+                workers=ws,
+                delay=delay_backend() is not None,
             )
         setup = ChaosSetup(
             gateways=args.gateways,

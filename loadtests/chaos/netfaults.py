@@ -1,19 +1,26 @@
 """Network faults fired inside the lab's namespaces: nft for partitions and loss, tc for bandwidth
-(tbf) and delay/jitter (netem, only where the kernel has sch_netem).
+(tbf), and delay/jitter by tc netem where the kernel has sch_netem, else by a userspace delayer on an
+NFQUEUE (delayq.py; the same delay and jitter, `delay_backend()` says which).
 
 Each fault gets its own nft table (`inet lumchaos_f<N>`) in every namespace it touches, with base
 chains on the input/output hooks, so healing it deletes exactly that table and overlapping faults
 never undo each other. tc faults replace the root qdisc of the host's eth0 and heal by deleting it.
+A queued delay is one iptables rule on the host's OUTPUT (inserted first: the newest delay on a host
+applies, as with tc) and one delayer process; healing deletes the rule, then ends the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import select
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -67,6 +74,36 @@ def netem_available() -> bool:
 
 
 NETEM_MISSING = "this kernel has no sch_netem (CONFIG_NET_SCH_NETEM): delay and jitter cannot be injected"
+# the repository root, the delayer's working directory (`python -m loadtests.chaos.delayq`)
+_ROOT = Path(__file__).resolve().parents[2]
+DELAYER_READY_TIMEOUT_S = 10.0
+_QUEUE_BASE = 100  # NFQUEUE numbers: 100 + the fault's id (each namespace has its own queues)
+
+
+def _iptables() -> str | None:
+    return shutil.which("iptables") or shutil.which("iptables-legacy")
+
+
+def queue_delay_missing() -> str | None:
+    """Why the userspace delayer cannot run here, or None."""
+    if _iptables() is None:
+        return "the `iptables` command is not installed (NFQUEUE delay needs it)"
+    if importlib.util.find_spec("fnfqueue") is None:
+        return "the `fnfqueue` package is not installed (the `chaos` extra)"
+    return None
+
+
+def delay_backend() -> str | None:
+    """How delay and jitter are injected here: "netem", "nfqueue" (delayq.py), or None."""
+    if netem_available():
+        return "netem"
+    return "nfqueue" if queue_delay_missing() is None else None
+
+
+def delay_missing() -> str | None:
+    if delay_backend() is not None:
+        return None
+    return f"{NETEM_MISSING}, and no userspace delay either: {queue_delay_missing()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +123,8 @@ class NetFaults:
         # newest is installed and healing it puts back the one before
         self._tc: dict[str, list[tuple[int, list[str]]]] = {}
         self._next = 0
+        # queued delays: fault id -> [(namespace, iptables rule, delayer process)]
+        self._queued: dict[int, list[tuple[str, list[str], subprocess.Popen[str]]]] = {}
 
     def sides(self, f: NetFault) -> tuple[list[str], list[str]]:
         if f.kind != "partition":
@@ -104,8 +143,9 @@ class NetFaults:
         table = f"lumchaos_f{fid}"
         if f.kind in ("partition", "loss") and (why := nft_missing()):
             raise NetFaultUnavailable(why)
-        if f.kind == "delay" and not netem_available():
-            raise NetFaultUnavailable(NETEM_MISSING)
+        backend = delay_backend() if f.kind == "delay" else None
+        if f.kind == "delay" and backend is None:
+            raise NetFaultUnavailable(delay_missing() or NETEM_MISSING)
         for name in a:
             ns = self.hosts[name].ns
             if f.kind == "partition":
@@ -124,6 +164,8 @@ class NetFaults:
                     [("output", f'oifname "eth0" numgen random mod 10000 < {round(pct * 100)} drop')],
                 )
                 done.append((ns, "nft"))
+            elif backend == "nfqueue":
+                self._queue_delay(fid, ns, float(f.option("ms") or 0), float(f.option("jitter") or 0))
             else:
                 if f.kind == "bw":
                     qdisc = ["tbf", "rate", f.option("rate") or "", "burst", "32kbit", "latency", "400ms"]
@@ -134,7 +176,37 @@ class NetFaults:
                 done.append((ns, "tc"))
         return fid
 
+    def _queue_delay(self, fid: int, ns: str, ms: float, jitter: float) -> None:
+        """Start a delayer in `ns` on queue 100+fid, then send the host's eth0 output through it."""
+        queue = str(_QUEUE_BASE + fid)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "loadtests.chaos.delayq",
+             "--queue", queue, "--ms", str(ms), "--jitter", str(jitter), "--seed", str(fid)],
+            cwd=_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        rule = ["OUTPUT", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", queue, "--queue-bypass"]
+        self._queued.setdefault(fid, []).append((ns, rule, proc))  # healed (ended) even if not ready
+        assert proc.stdout is not None
+        try:
+            ready = proc.stdout.readline() if _readable(proc, DELAYER_READY_TIMEOUT_S) else ""
+        except OSError:
+            ready = ""
+        if ready.strip() != "ready":
+            proc.kill()
+            err = proc.communicate(timeout=5)[1]
+            raise LabError(f"the delayer in {ns} did not start: {err.strip()[-400:]}")
+        run(["ip", "netns", "exec", ns, _iptables() or "iptables", "-w", "-I", *rule])
+
     def heal(self, fid: int) -> None:
+        for ns, rule, proc in self._queued.pop(fid, []):
+            run(["ip", "netns", "exec", ns, _iptables() or "iptables", "-w", "-D", *rule], check=False)
+            if proc.poll() is None:
+                proc.terminate()  # it lets every packet it holds go, then exits
+            try:
+                proc.communicate(timeout=5)  # also closes its pipes
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=5)
         for ns, what in self._applied.pop(fid, []):
             if what == "nft":
                 run(
@@ -150,8 +222,13 @@ class NetFaults:
                     run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
 
     def heal_all(self) -> None:
-        for fid in list(self._applied):
+        for fid in list(self._applied) + list(self._queued):
             self.heal(fid)
+
+
+def _readable(proc: subprocess.Popen[str], timeout_s: float) -> bool:
+    assert proc.stdout is not None
+    return bool(select.select([proc.stdout], [], [], timeout_s)[0])
 
 
 def _nft(ns: str, table: str, rules: Sequence[tuple[str, str]]) -> None:

@@ -5,7 +5,7 @@
     partition:gw1|all@4+6         gw1 from every other host (workers and the load client)
     loss:all@5+10:pct=10          every host drops 10 % of the packets it sends, 5 s to 15 s
     bw:w1@3+5:rate=2mbit          w1 sends at most 2 Mbit/s (tc tbf)
-    delay:all@5+10:ms=25:jitter=25   netem delay (needs sch_netem in the kernel; checked when fired)
+    delay:all@5+10:ms=25:jitter=25   delay ± jitter (tc netem, or an NFQUEUE delayer where the kernel has no netem)
 
 Grammar: `KIND:HOSTS@SECONDS[+DURATION][:key=value]...`, HOSTS either SIDE (loss, bw, delay) or
 SIDE|SIDE / SIDE>SIDE (partition). A SIDE is a comma-separated list of host names (gw0, w1, client)

@@ -3,7 +3,7 @@
 Faults arrive at `rate_per_min` on average, uniformly over the run (none in its first 1.5 s or its
 last 4 s, so the load sees each one), each of a kind drawn with the weights below and lasting 0.5–4 s
 where it can be undone. Kinds that need more hosts than the lab has are not drawn (gateway faults with
-one gateway), nor delay where the kernel has no netem (`netem`: False).
+one gateway), nor delay where this machine cannot inject it (`delay`: False; netfaults.delay_backend).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def random_faults(
     *,
     gateways: Sequence[str],
     workers: Sequence[str],
-    netem: bool,
+    delay: bool,
 ) -> list[str]:
     if duration_s < 6:
         raise ValueError(f"a randomized run needs at least 6 s, not {duration_s:g}")
     rng = random.Random(seed)
     n = round(duration_s / 60.0 * rate_per_min)
-    kinds = [k for k in WEIGHTS if _possible(k, len(gateways), len(workers), netem)]
+    kinds = [k for k in WEIGHTS if _possible(k, len(gateways), len(workers), delay)]
     weights = [WEIGHTS[k] for k in kinds]
     times = sorted(round(rng.uniform(1.5, duration_s - 4.0), 1) for _ in range(n))
     out: list[str] = []
@@ -55,13 +55,13 @@ def random_faults(
     return out
 
 
-def _possible(kind: str, gateways: int, workers: int, netem: bool) -> bool:
+def _possible(kind: str, gateways: int, workers: int, delay: bool) -> bool:
     if kind in ("partition-gateway", "kill-gateway"):
         return gateways > 1
     if kind == "partition-workers":
         return workers > 1
     if kind == "delay":
-        return netem
+        return delay
     return True
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from loadtests.chaos.netfaults import HostAddr, NetFaults
+from loadtests.chaos.netfaults import HostAddr, NetFaults, delay_missing
 from loadtests.chaos.netns import Lab, cleanup_leftovers, ours, run
 from loadtests.chaos.netspec import parse_net_fault
 
@@ -68,6 +68,55 @@ def test_loss_and_bandwidth_rules_are_installed_and_removed() -> None:
         nf.heal(bw)
         assert run(["ip", "netns", "exec", lab["b"].ns, "nft", "list", "ruleset"]).strip() == ""
         assert "tbf" not in run(["ip", "netns", "exec", lab["a"].ns, "tc", "qdisc", "show", "dev", "eth0"])
+    assert ours() == []
+
+
+ECHO = (
+    "import socket; s = socket.create_server(('{addr}', 7001))\n"
+    "while True:\n"
+    "    c = s.accept()[0]\n"
+    "    while (d := c.recv(64)): c.sendall(d)\n"
+    "    c.close()"
+)
+RTTS = (
+    "import socket, statistics, time\n"
+    "c = socket.create_connection(('{addr}', 7001), timeout=5)\n"
+    "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+    "r = []\n"
+    "for _ in range(30):\n"
+    "    t = time.perf_counter(); c.sendall(b'x'); c.recv(8); r.append((time.perf_counter() - t) * 1000)\n"
+    "print(min(r), statistics.median(r), max(r))"
+)
+
+
+def rtts_ms(lab: Lab, src: str, dst: str) -> tuple[float, float, float]:
+    out = subprocess.run(
+        lab[src].exec_argv([sys.executable, "-c", RTTS.format(addr=lab[dst].addr)]),
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    lo, med, hi = map(float, out.split())
+    return lo, med, hi
+
+
+@pytest.mark.skipif(bool(delay_missing()), reason=delay_missing() or "")
+def test_delay_and_jitter_take_effect_and_heal() -> None:
+    """40 ± 20 ms on a's packets (tc netem, or the NFQUEUE delayer): a's round trips to b take 20-60 ms
+    more, spread by the jitter; healed, they are back to a loopback-like bridge's (well under 20 ms)."""
+    with Lab(["a", "b"]) as lab:
+        lab.spawn("b", [sys.executable, "-c", ECHO.format(addr=lab["b"].addr)], env=os.environ)
+        deadline = time.monotonic() + 10
+        while subprocess.run(
+            lab["a"].exec_argv([sys.executable, "-c", RTTS.format(addr=lab["b"].addr)]), capture_output=True
+        ).returncode:
+            assert time.monotonic() < deadline, "the echo server did not come up"
+        nf = NetFaults({h: HostAddr(lab[h].ns, lab[h].addr) for h in ("a", "b")})
+        assert rtts_ms(lab, "a", "b")[1] < 15
+        fid = nf.apply(parse_net_fault("delay:a@0:ms=40:jitter=20"))
+        lo, med, hi = rtts_ms(lab, "a", "b")
+        assert lo >= 19 and 30 <= med <= 60 and hi - lo >= 10, (lo, med, hi)
+        nf.heal(fid)
+        assert rtts_ms(lab, "a", "b")[1] < 15
+        assert run(["ip", "netns", "exec", lab["a"].ns, "iptables", "-S", "OUTPUT"]).count("NFQUEUE") == 0
     assert ours() == []
 
 

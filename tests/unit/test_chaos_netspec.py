@@ -85,16 +85,16 @@ def test_loadtest_refuses_network_faults_clearly() -> None:
 
 
 def test_random_schedules_are_reproducible_and_valid() -> None:
-    kw = {"gateways": ["gw0", "gw1"], "workers": ["w0", "w1", "w2"], "netem": False}
+    kw = {"gateways": ["gw0", "gw1"], "workers": ["w0", "w1", "w2"], "delay": False}
     a = random_faults(7, 60.0, 12.0, **kw)  # type: ignore[arg-type]
     assert a == random_faults(7, 60.0, 12.0, **kw)  # type: ignore[arg-type]
     assert a != random_faults(8, 60.0, 12.0, **kw)  # type: ignore[arg-type]
     assert len(a) == 12
-    assert not any(s.startswith("delay") for s in a)  # no netem: never drawn
+    assert not any(s.startswith("delay") for s in a)  # no delay possible: never drawn
     schedule, net = split_faults(a)
     schedule.check_workers(["w0", "w1", "w2"])
     check_hosts(net, HOSTS)
-    one_gw = random_faults(3, 120.0, 30.0, gateways=["gw0"], workers=["w0"], netem=True)
+    one_gw = random_faults(3, 120.0, 30.0, gateways=["gw0"], workers=["w0"], delay=True)
     assert not any(s.startswith(("kill-gateway", "partition:gw0|all")) for s in one_gw)
     with pytest.raises(ValueError, match="at least 6 s"):
         random_faults(1, 5.0, 6.0, **kw)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
+from gateway.server.workers.fences import FenceLedger
 from gateway.server.workers.probe import HttpProbe
 from gateway.server.workers.records import (
     AttachRefused,
@@ -66,6 +67,7 @@ class LoadMonitor:
         detector: DetectorParams | None = None,
         record_retention_s: float = 300.0,
         prober: Prober | None = None,
+        fences: FenceLedger | None = None,
     ) -> None:
         self.correlated_grace_s = correlated_grace_s
         self.clock = clock
@@ -85,6 +87,12 @@ class LoadMonitor:
         # FAILED and REMOVED records are dropped this long after; their last incarnation is kept
         self.record_retention_s = record_retention_s
         self._tombstones: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        # fences that outlive this process (gateway.state_dir): what an earlier run of this gateway
+        # fenced is refused from the start, and every new fence is written before it takes effect
+        self.fences = fences
+        if fences is not None:
+            for worker, incarnation in fences.fences.items():
+                self._tombstones[worker] = (incarnation, False)
         self._last_sweep: float | None = None
         self.workers: dict[str, WorkerRecord] = {}
         self.events: deque[StateEvent] = deque(maxlen=10_000)
@@ -473,6 +481,8 @@ class LoadMonitor:
             self._record(rec, rec.state, rec.state, note)
 
     def _fail(self, rec: WorkerRecord, reason: str) -> None:
+        if self.fences is not None:  # durable before anything acts on the failure
+            self.fences.record(rec.id, rec.incarnation)
         rec.failed_at = self.clock()
         self._set(rec, WorkerState.FAILED, reason)
         # what a dead incarnation last reported is void (it showed as a stale running count)

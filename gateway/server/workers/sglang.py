@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -138,7 +139,9 @@ class SGLangPoller:
                 log.warning("sglang_poll_error", worker=t.worker_id, error=repr(exc))
                 await asyncio.sleep(self.interval_s)
                 continue
-            incarnation = self._incarnation.get(t.worker_id, 0) + 1
+            # microseconds since the epoch, rising: newer than any this gateway fenced before a
+            # restart (its fences outlive it, gateway.state_dir), as a Lumen worker's are
+            incarnation = max(time.time_ns() // 1000, self._incarnation.get(t.worker_id, 0) + 1)
             self._incarnation[t.worker_id] = incarnation
             first = loads.loads[0] if loads.loads else None
             hello = pb.Hello(
