@@ -85,7 +85,11 @@ def main(argv: list[str]) -> int:
         print(
             f"lumen chaos: seed {args.seed}, {setup.requests} requests, faults: {' '.join(faults) or 'none'}"
         )
-        result = run_chaos(setup, Path(args.out))
+        result = run_chaos(
+            setup,
+            Path(args.out),
+            progress=lambda line: print(f"lumen chaos: {line}", file=sys.stderr, flush=True),
+        )
     except (FaultSpecError, NetSpecError, ConfigError, ValueError, LabError) as exc:
         print(f"lumen chaos: {exc}", file=sys.stderr)
         return 2

@@ -29,10 +29,13 @@ from loadtests.chaos.history import new_history, run_request
 from loadtests.chaos.netfaults import HostAddr, NetFaultRunner, NetFaults
 from loadtests.chaos.netspec import check_hosts
 from loadtests.chaos.observe import Observer
-from loadtests.chaos.plan import Plan, request_specs, split_faults
+from loadtests.chaos.plan import PROGRESS_EVENT, PROGRESS_S, Plan, request_specs, split_faults
 from loadtests.faults import FaultRunner, FaultSchedule
 
 log = structlog.get_logger("lumen.chaos")
+
+# process-fault records that undo an earlier fault (not faults of their own)
+UNDO_MODES = ("resume", "unstall", "normal")
 
 CLUSTER_READY_TIMEOUT_S = 90.0
 
@@ -131,6 +134,20 @@ async def _load(plan: Plan, urls: list[str], schedule: FaultSchedule, net: list[
         )
         faults = [asyncio.create_task(runner.run()), asyncio.create_task(netrun.run())]
 
+        async def progress() -> None:  # a line for `lumen chaos` to show (orchestrate.py tails the log)
+            while True:
+                await asyncio.sleep(PROGRESS_S)
+                log.info(
+                    PROGRESS_EVENT,
+                    t=round(time.monotonic() - t0),
+                    ended=sum(1 for h in histories if h["ended_at"] is not None),
+                    requests=len(histories),
+                    faults=sum(1 for f in runner.fired if f["ok"] and f["mode"] not in UNDO_MODES)
+                    + sum(1 for f in netrun.fired if f["ok"] and f["mode"] == "inject"),
+                )
+
+        reporter = asyncio.create_task(progress())
+
         async def one(r: dict[str, Any], h: dict[str, Any]) -> None:
             await asyncio.sleep(max(0.0, r["at"] - (time.monotonic() - t0)))
             await run_request(
@@ -150,6 +167,7 @@ async def _load(plan: Plan, urls: list[str], schedule: FaultSchedule, net: list[
                 await asyncio.gather(*(one(r, h) for r, h in zip(reqs, histories, strict=True)))
         except TimeoutError:
             log.error("chaos_load_timeout", budget_s=budget)
+        reporter.cancel()
         load_end = time.monotonic() - t0
         # the schedule's remaining undos and heals run out; anything still pending is cancelled
         # (NetFaultRunner heals every fault it applied on its way out)

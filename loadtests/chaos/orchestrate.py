@@ -13,6 +13,8 @@ import json
 import secrets
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from loadtests.chaos.certs import make_cert
 from loadtests.chaos.checker import CheckReport, check_history
 from loadtests.chaos.netns import Lab
 from loadtests.chaos.netspec import check_hosts
-from loadtests.chaos.plan import Plan, split_faults
+from loadtests.chaos.plan import PROGRESS_EVENT, Plan, split_faults
 from loadtests.faults import FaultSpecError
 
 # a lab cluster robust on a loaded 2-core machine (as the e2e suites': a late heartbeat must not fence)
@@ -80,8 +82,11 @@ def validate(setup: ChaosSetup) -> None:
     check_hosts(net, names)
 
 
-def run_chaos(setup: ChaosSetup, out_dir: Path) -> ChaosResult:
-    """Run `setup` in a fresh lab; the history lands in out_dir/history.json, logs in out_dir/logs."""
+def run_chaos(
+    setup: ChaosSetup, out_dir: Path, *, progress: Callable[[str], None] | None = None
+) -> ChaosResult:
+    """Run `setup` in a fresh lab; the history lands in out_dir/history.json, logs in out_dir/logs.
+    `progress` gets a line every PROGRESS_S seconds of the load (requests ended, faults fired)."""
     validate(setup)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("history.json", "check.json"):
@@ -120,11 +125,7 @@ def run_chaos(setup: ChaosSetup, out_dir: Path) -> ChaosResult:
                 env=_env(),
                 log=logf,
             )
-            try:
-                rc = proc.wait(timeout=setup.deadline_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
+            rc = _wait(proc, out_dir / "driver.log", setup.deadline_s, progress)
         plan_path.unlink()
     hist_path = out_dir / "history.json"
     history = json.loads(hist_path.read_text()) if hist_path.exists() else {"ok_start": False}
@@ -133,6 +134,40 @@ def run_chaos(setup: ChaosSetup, out_dir: Path) -> ChaosResult:
     report = check_history(history)
     (out_dir / "check.json").write_text(json.dumps(msgspec.to_builtins(report), indent=1))
     return ChaosResult(history, report, out_dir, rc)
+
+
+def _wait(
+    proc: subprocess.Popen[bytes], log_path: Path, deadline_s: float, progress: Callable[[str], None] | None
+) -> int:
+    """The driver's exit status (killed past the deadline), passing its progress lines on meanwhile."""
+    end = time.monotonic() + deadline_s
+    seen = 0
+    while True:
+        try:
+            return proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= end:
+                proc.kill()
+                return proc.wait()
+        if progress is not None:
+            with log_path.open("rb") as f:
+                f.seek(seen)
+                new = f.read()
+            cut = new.rfind(b"\n") + 1  # whole lines only
+            seen += cut
+            for line in new[:cut].decode(errors="replace").splitlines():
+                if PROGRESS_EVENT in line:
+                    progress(_progress_text(line))
+
+
+def _progress_text(line: str) -> str:
+    """`... chaos_progress ended=12 faults=3 requests=7200 t=90` -> `t=90 s: 12/7200 requests ended, 3
+    faults fired`."""
+    kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
+    return (
+        f"t={kv.get('t', '?')} s: {kv.get('ended', '?')}/{kv.get('requests', '?')} requests ended, "
+        f"{kv.get('faults', '?')} faults fired"
+    )
 
 
 def _env() -> dict[str, str]:

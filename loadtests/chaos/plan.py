@@ -15,6 +15,10 @@ import msgspec
 from loadtests.chaos.netspec import NetFault, is_net_spec, parse_net_fault
 from loadtests.faults import FaultSchedule
 
+# the driver logs a progress line this often; the orchestrator shows it (`lumen chaos`)
+PROGRESS_S = 30.0
+PROGRESS_EVENT = "chaos_progress"
+
 
 class Plan(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hosts: dict[str, tuple[str, str]]  # host name -> (namespace, address), in lab order

@@ -98,3 +98,10 @@ def test_random_schedules_are_reproducible_and_valid() -> None:
     assert not any(s.startswith(("kill-gateway", "partition:gw0|all")) for s in one_gw)
     with pytest.raises(ValueError, match="at least 6 s"):
         random_faults(1, 5.0, 6.0, **kw)  # type: ignore[arg-type]
+
+
+def test_progress_lines_read_as_people_would() -> None:
+    from loadtests.chaos.orchestrate import _progress_text
+
+    line = "2026-11-26 22:00:10 [info     ] chaos_progress   ended=12 faults=3 requests=7200 t=90"
+    assert _progress_text(line) == "t=90 s: 12/7200 requests ended, 3 faults fired"
