@@ -1,7 +1,7 @@
 """The holder-status socket of an SGLang server's holder stores (docs/sglang.md, "Storage backend").
 
 Lumen's page store runs a holder store inside each SGLang scheduler rank, out of the sidecar agent's
-reach; next to it, each rank answers a local ZMQ REP socket (`worker_hooks.sglang.page_store`,
+reach; next to it, each rank answers a local ZMQ REP socket (`worker_hooks.sglang.local_holder`,
 `status_endpoint`) so the agent can report the store in its heartbeats as Lumen's own workers do.
 
 One request frame, one answer frame, both msgpack. The agent sends `HolderStatusRequest`; the store

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from gateway.protocol.plane_file import plaintext_keyring  # noqa: E402
 from tests.fixtures.sglang_plugin_standins import check_run, close_run, decode_run  # noqa: E402
-from worker_hooks.sglang.plugin import MHA_LAYOUTS, MLA_LAYOUTS, KvReader  # noqa: E402
+from worker_hooks.sglang.plugin_reader import MHA_LAYOUTS, MLA_LAYOUTS, KvReader  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is false)"
@@ -118,7 +118,7 @@ def test_the_hooks_cost_at_a_real_models_page_size() -> None:
     freed at its holder), never held in part."""
     from tests.fixtures.kv_holder import HolderProcess, wait_until
     from tests.fixtures.sglang_plugin_standins import Batch, KvInfo, Req, lumen_hints
-    from worker_hooks.sglang.plugin import Checkpointer
+    from worker_hooks.sglang.plugin_checkpointer import Checkpointer
     from worker_hooks.sglang.plugin_logic import PluginOptions
 
     layers, heads, dim, n_req, prompt, steps = 32, 8, 128, 16, 512, 128

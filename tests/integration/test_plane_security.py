@@ -58,7 +58,8 @@ from worker_hooks.kv.receiver import StoreServer
 from worker_hooks.kv.sender import CheckpointSender
 from worker_hooks.kv.store import CheckpointStore
 from worker_hooks.sglang.page_routes import RequestRoutes
-from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+from worker_hooks.sglang.page_store import PageStore
+from worker_hooks.sglang.page_store_config import PageStoreConfig
 from worker_hooks.sglang.plane_file import ServerPlanes
 
 PS = 64

@@ -27,7 +27,8 @@ from gateway.protocol.sglang import sglang_seed
 from gateway.server.app import Gateway
 from gateway.server.workers.monitor import StateEvent, WorkerRecord
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_standin
-from worker_hooks.sglang.agent import Sidecar, SidecarConfig
+from worker_hooks.sglang.agent import Sidecar
+from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.launcher import server_command
 
 SHIM = [sys.executable, "-m", "tests.e2e.sglang_launch_shim"]

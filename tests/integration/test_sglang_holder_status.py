@@ -20,10 +20,12 @@ from gateway.protocol import holder_status as hs
 from gateway.protocol.planes import Member, MemberTable, PlaneAuth
 from tests.integration.test_sglang_agent import gateway, heartbeat, sidecar, standin
 from worker_hooks.kv.payload import page_bytes
-from worker_hooks.sglang.agent import SGLangRole, SidecarConfig
+from worker_hooks.sglang.agent_config import SidecarConfig
+from worker_hooks.sglang.agent_role import SGLangRole
 from worker_hooks.sglang.holder_report import DurableReporter, HolderPoller, HolderReport, merge
 from worker_hooks.sglang.page_routes import RequestRoutes
-from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+from worker_hooks.sglang.page_store import PageStore
+from worker_hooks.sglang.page_store_config import PageStoreConfig
 from worker_hooks.sglang.storage_layout import (
     LumenStorageOptions,
     shard_endpoint,

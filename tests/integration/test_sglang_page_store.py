@@ -23,7 +23,8 @@ from gateway.protocol.planes import Member, MemberTable, PlaneAuth
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, greedy_ids, start_standin
 from worker_hooks.kv.payload import page_bytes, verify
 from worker_hooks.sglang.page_routes import PageRoute, RequestRoutes
-from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+from worker_hooks.sglang.page_store import PageStore
+from worker_hooks.sglang.page_store_config import PageStoreConfig
 from worker_hooks.sglang.storage_layout import (
     LumenStorageOptions,
     ShardLayout,

@@ -27,7 +27,8 @@ from gateway.core.load import estimated_load
 from gateway.protocol import control_pb2 as pb
 from gateway.server.app import Gateway
 from tests.integration.test_sglang_agent import FAST, SHIM, free_url, gateway, heartbeat, state_event, to
-from worker_hooks.sglang.agent import Sidecar, SidecarConfig
+from worker_hooks.sglang.agent import Sidecar
+from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.launcher import WEIGHTS_GROUP_PORT_DELTA, host_port, server_command
 
 LOAD_S = {"LUMEN_SHIM_LOAD_S_DISK": "0.6", "LUMEN_SHIM_LOAD_S_PEER": "0.1"}

@@ -29,9 +29,12 @@ from gateway.server.app import Gateway
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_standin
 from tests.integration.test_sglang_gateway import stream_ids, wait_until
 from worker_hooks.kv.payload import page_bytes, verify
-from worker_hooks.sglang.agent import SGLangRole, Sidecar, SidecarConfig
+from worker_hooks.sglang.agent import Sidecar
+from worker_hooks.sglang.agent_config import SidecarConfig
+from worker_hooks.sglang.agent_role import SGLangRole
 from worker_hooks.sglang.page_routes import RequestRoutes
-from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+from worker_hooks.sglang.page_store import PageStore
+from worker_hooks.sglang.page_store_config import PageStoreConfig
 
 PS = 64
 PAGE_BYTES = 2048

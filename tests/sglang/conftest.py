@@ -24,7 +24,8 @@ def plane_members(monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway.protocol.planes import Member, MemberTable, PlaneAuth
     from worker_hooks.sglang import hicache_backend
     from worker_hooks.sglang.page_routes import RouteLookup
-    from worker_hooks.sglang.page_store import PageStore, PageStoreConfig
+    from worker_hooks.sglang.page_store import PageStore
+    from worker_hooks.sglang.page_store_config import PageStoreConfig
 
     table = MemberTable()
     members: list[Member] = []

@@ -39,7 +39,8 @@ import torch
 
 from gateway.protocol.sglang import kv_hints_for, parse_kv_hints
 from worker_hooks.sglang import plugin
-from worker_hooks.sglang.plugin import HOOKS, KvReader, after_decode_result
+from worker_hooks.sglang.plugin import HOOKS, after_decode_result
+from worker_hooks.sglang.plugin_reader import MHA_LAYOUTS, MLA_LAYOUTS, KvReader
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -162,7 +163,7 @@ def test_the_names_the_hook_reads_exist() -> None:
     _, mem = source_of("sglang.srt.arg_groups.fields.memory")
     text = ast.unparse(mem)
     assert "hicache_mem_layout" in text
-    for layout in plugin.MHA_LAYOUTS:
+    for layout in MHA_LAYOUTS:
         assert repr(layout) in text, f"--hicache-mem-layout lost {layout}"
 
 
@@ -183,7 +184,7 @@ HOST_PAGES = 3
 HIDX = PS  # the host page used: the second one, so offsets matter
 
 
-@pytest.mark.parametrize("layout", plugin.MHA_LAYOUTS)
+@pytest.mark.parametrize("layout", MHA_LAYOUTS)
 def test_mha_page_bytes_equal_sglangs_host_pool_page(layout: str) -> None:
     get_data_page, init_src = host_page_fn("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost")
     dims = {
@@ -224,7 +225,7 @@ def test_mha_page_bytes_equal_sglangs_host_pool_page(layout: str) -> None:
     assert bytes(reader.stage(torch.tensor(slots)).data()) == want
 
 
-@pytest.mark.parametrize("layout", plugin.MLA_LAYOUTS)
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
 def test_mla_page_bytes_equal_sglangs_host_pool_page(layout: str) -> None:
     get_data_page, _ = host_page_fn("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost")
     size = HOST_PAGES * PS

@@ -11,7 +11,7 @@ from gateway.cluster.fleet_run import sglang_checkpoints
 from gateway.cluster.sglang import Checkpoints, SGLangLaunch, agent_specs, gpu_groups
 from gateway.config import load_config
 from worker_hooks.sglang.__main__ import parse
-from worker_hooks.sglang.agent import SidecarConfig
+from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.launcher import (
     LAUNCHER_ENV,
     WEIGHTS_GROUP_PORT_DELTA,

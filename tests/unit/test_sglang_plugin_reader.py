@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_hooks.sglang.plugin import KvReader, Unsupported  # noqa: E402
+from worker_hooks.sglang.plugin_reader import KvReader, Unsupported  # noqa: E402
 
 PS, L, H, D = 4, 3, 2, 5
 SLOTS = 64

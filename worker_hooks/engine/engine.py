@@ -1,34 +1,29 @@
 """The engine shell: runs the scheduler in (scaled) real time and hands tokens to request streams.
 
-It owns the step loop and the model-load timer (both started by `start()` and awaited by `stop()`),
-the worker's incarnation and phase, the checkpointer (store, sender, restores), the draft-assist
-roles (draft_assist.py) and one `RequestHandle` per live request. Each step sleeps until an absolute
-deadline advanced by the modelled step time (times the slowdown a slow fault sets), so the CPU time
-the step itself took is not added on top, and timer granularity (uvloop rounds to 1 ms) evens out
-over steps. A step that admits a request with a restored prefix also pays the modelled
-host-to-device copy of that prefix; an assisted step first waits (at most draft_timeout) for its
-drafts and pays for verifying them.
+It owns the step loop's task (stepping.py: how a step is paced, paused and slowed) and the
+model-load timer (both started by `start()` and awaited by `stop()`), the worker's incarnation and
+phase, the checkpointer (store, sender, restores), the draft-assist roles (draft_assist.py) and one
+`RequestHandle` per live request: it admits, aborts and adopts requests, and hands each step's tokens
+to their streams.
 
 A restart walks its load plan (loading.py). The switch to SERVING is one assignment in the load task,
 so the first request after it is admitted by the next step with no load wait left.
 
-With `backend = "torch"` the steps are real: the scheduler plans on the loop, the forward runs on the
-backend's step thread (torch_backend.py), nothing is modelled and a step takes what it takes (a slow
-fault adds `slowdown - 1` times that). Loading is real too, and the load plan's times become minimums:
-a restart loads the draft model before DRAFT_READY and the full model before SERVING.
+With `backend = "torch"` the steps are real (stepping.py). Loading is real too, and the load plan's
+times become minimums: a restart loads the draft model before DRAFT_READY and the full model before
+SERVING.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.core.costmodel import CostModel, StepWork
+from gateway.core.costmodel import CostModel
 from gateway.core.health import Phase
 from gateway.core.outage import OutageParams, queue_first
 from gateway.protocol.generate import FinishReason, GenerateRequest
@@ -43,15 +38,12 @@ from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.loading import load_plan
 from worker_hooks.engine.orphans import Orphanage
 from worker_hooks.engine.pages import PagePool
-from worker_hooks.engine.scheduler import Drafts, Emission, Scheduler, Seq, StepResult
+from worker_hooks.engine.scheduler import Emission, Scheduler, Seq, StepResult
+from worker_hooks.engine.stepping import StepLoop
 from worker_hooks.engine.validation import validate
 
 log = structlog.get_logger(__name__)
 
-# how far the step clock may lag behind wall time before it is pulled forward (no long catch-up bursts)
-MAX_LAG_S = 0.005
-# the largest step-time multiplier a slow fault may set (beyond it, a stall is the better model)
-MAX_SLOWDOWN = 1000.0
 # the torch backend's KV pool when engine.kv_capacity_tokens is 0 (the cost model's figure is for the
 # modelled GPU, not for this process)
 TORCH_DEFAULT_KV_TOKENS = 32768
@@ -124,22 +116,22 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         # requests whose gateway went away, kept for another to adopt (orphans.py)
         self.orphans = Orphanage(lambda rid, message: self.abort(rid, message))
-        self._wake = asyncio.Event()
-        # fault injection (gray failure): a paused engine stops stepping while the agent keeps
-        # heartbeating, so only the gateway's stall timeout can catch it
-        self._unpaused = asyncio.Event()
-        self._unpaused.set()
-        # fault injection (a slow, degraded GPU): every step takes `slowdown` x its modelled time
-        self.slowdown = 1.0
+        self.steps = StepLoop(
+            worker_id=self.worker_id,
+            scheduler=self.scheduler,
+            cost=self.cost,
+            time_scale=spec.time_scale,
+            torch=self.torch,
+            assist=self.assist,
+            on_step=self._after_step,
+            on_failure=self._step_failed,
+        )
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self.requests_total = 0
         self.aborted_total = 0
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
-        self.steps_total = 0
-        self.modelled_s_total = 0.0
-        self.busy_s_total = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -149,29 +141,29 @@ class Engine:
             await self.torch.load_target_async()  # a first start serves at once: load before that
         await self.ckpt.start(self.incarnation)
         await self.assist.start()  # a drafter binds now: Hello carries its endpoint from the first session
-        self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.worker_id}")
+        self._loop_task = asyncio.create_task(self.steps.run(), name=f"engine-{self.worker_id}")
         if self.load_plan.changes:
             self._load_task = asyncio.create_task(self._load(), name=f"load-{self.worker_id}")
 
     def pause(self) -> None:
         """Freeze the step loop (fault injection: a hung engine whose process is still alive)."""
-        log.warning("engine paused (fault injection)", worker_id=self.worker_id)
-        self._unpaused.clear()
+        self.steps.pause()
 
     def resume(self) -> None:
-        self._unpaused.set()
+        self.steps.resume()
 
     @property
     def paused(self) -> bool:
-        return not self._unpaused.is_set()
+        return self.steps.paused
 
     def set_slowdown(self, factor: float) -> None:
         """Stretch every following step to `factor` x its modelled time (fault injection: the engine
         keeps serving, only slower); 1.0 restores normal speed. The step in progress keeps its time."""
-        if not (math.isfinite(factor) and 0 < factor <= MAX_SLOWDOWN):
-            raise ValueError(f"slowdown must be a number in (0, {MAX_SLOWDOWN:g}], got {factor}")
-        log.warning("engine slowdown (fault injection)", worker_id=self.worker_id, slowdown=factor)
-        self.slowdown = factor
+        self.steps.set_slowdown(factor)
+
+    @property
+    def slowdown(self) -> float:
+        return self.steps.slowdown
 
     async def stop(self) -> None:
         """Abort every request (their streams end with an abort chunk) and stop the owned tasks."""
@@ -276,7 +268,7 @@ class Engine:
         self.requests_total += 1
         self.prompt_tokens_total += len(req.input_ids)
         self.ckpt.admitted(seq, [h.kv_endpoint for h in ext.checkpoint] if ext else [])
-        self._wake.set()
+        self.steps.wake()
         return handle
 
     def abort(self, rid: str, message: str = "aborted", *, drop_checkpoint: bool = False) -> bool:
@@ -292,7 +284,7 @@ class Engine:
         if seq is None and handle is None:
             return False
         self.aborted_total += 1
-        self._wake.set()  # freed pages may let a waiting request in
+        self.steps.wake()  # freed pages may let a waiting request in
         if handle is not None:
             done = len(seq.output) if seq is not None else 0
             handle._push(Emission(rid, [], done, FinishReason(type="abort", message=message)))
@@ -354,80 +346,21 @@ class Engine:
             aborted_total=self.aborted_total,
             prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
-            steps_total=self.steps_total,
-            modelled_s_total=self.modelled_s_total,
-            busy_s_total=self.busy_s_total,
+            steps_total=self.steps.steps_total,
+            modelled_s_total=self.steps.modelled_s_total,
+            busy_s_total=self.steps.busy_s_total,
         )
 
-    # -- the step loop --------------------------------------------------------------------------
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time()
-        scale = self.spec.time_scale
-        try:
-            while True:
-                if not self.scheduler.has_work:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    deadline = loop.time()
-                if not self._unpaused.is_set():
-                    await self._unpaused.wait()
-                    deadline = loop.time()
-                sp = self.assist.speculator
-                drafts: dict[str, Drafts] = await sp.collect() if sp is not None else {}  # <= draft_timeout
-                t0 = time.perf_counter()
-                if not isinstance(self.scheduler, Scheduler):
-                    result, t1 = await self._step_torch(drafts)
-                    t2 = time.perf_counter()
-                else:
-                    result = self.scheduler.step(drafts)
-                    if not result.empty:
-                        modelled = self.cost.step_time(result.work)
-                        if result.restored_tokens:
-                            modelled += self.cost.restore_time(result.restored_tokens)
-                        self.modelled_s_total += modelled
-                        deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale * self.slowdown
-                    t1 = time.perf_counter()
-                    delay = deadline - loop.time()
-                    await asyncio.sleep(delay if delay > 0 else 0)
-                    t2 = time.perf_counter()
-                if result.empty:
-                    # defensive: nothing admissible and nothing running; wait for a submit or an abort
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                self.steps_total += 1
-                # the step's pages exist once it has run; its finished requests end after them
-                self.ckpt.after_step()
-                self._deliver(result.emissions)
-                if self.assist.speculator is not None:
-                    # a pair that changed during the step does not count the old pair's verifications
-                    verified = result.verified if self.assist.speculator is sp else ()
-                    self.assist.speculator.after_step(verified, self.scheduler.decoding())
-                self.busy_s_total += (t1 - t0) + (time.perf_counter() - t2)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            # the outermost loop: fail every request loudly rather than leave streams hanging
-            log.exception("engine step failed", worker_id=self.worker_id)
-            self.phase = Phase.DRAINING  # refuse new work: nothing would run it
-            self.abort_all("engine error")
-            raise
+    # -- the step loop's callbacks (stepping.py) ------------------------------------------------
+    def _after_step(self, result: StepResult) -> None:
+        """A step ran: its pages exist, so the checkpointer sends them first; then its tokens go out and
+        its finished requests end."""
+        self.ckpt.after_step()
+        self._deliver(result.emissions)
 
-    async def _step_torch(self, drafts: dict[str, Drafts]) -> tuple[StepResult, float]:
-        """One real step: (result, perf_counter at the end of the forward). A slow fault stretches
-        the step to `slowdown` x its real time after the forward."""
-        torch_backend, scheduler = self.torch, self.scheduler
-        assert torch_backend is not None and not isinstance(scheduler, Scheduler)
-        out = await torch_backend.step(scheduler, drafts)
-        if out is None:
-            return StepResult(StepWork(prefill=[], decode_contexts=[]), []), time.perf_counter()
-        result, seconds = out
-        self.modelled_s_total += seconds  # measured: the step thread's time
-        end = time.perf_counter()
-        if self.slowdown != 1.0:
-            await asyncio.sleep(seconds * (self.slowdown - 1.0))
-        return result, end
+    def _step_failed(self) -> None:
+        self.phase = Phase.DRAINING  # refuse new work: nothing would run it
+        self.abort_all("engine error")
 
     def _deliver(self, emissions: list[Emission]) -> None:
         handles = self._handles

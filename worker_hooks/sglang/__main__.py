@@ -9,7 +9,7 @@ starts `python -m sglang.launch_server ARGS` (plus the flags Lumen needs; see la
 when it dies (unless `--no-restart`: then the agent exits 1 once it died), and stops it on exit.
 `LUMEN_SGLANG_LAUNCHER` replaces the launcher command (a testing hook: launcher.py).
 
-Seeded reload (with `--launch`; agent.py): after the server died, the agent waits up to `--seed-wait-s`
+Seeded reload (with `--launch`; agent_reload.py): after the server died, the agent waits up to `--seed-wait-s`
 for a gateway to name a running server of the same model and TP, and relaunches loading the weights from
 it (`--load-format remote_instance` over NCCL), or from storage when none is named, when the seeded
 server exits before it is ready, or when it is not ready within `--seed-timeout-s`. The NCCL groups
@@ -45,7 +45,8 @@ import structlog
 import uvloop
 
 from gateway.protocol.secrets import SecretError, resolve_token
-from worker_hooks.sglang.agent import Sidecar, SidecarConfig
+from worker_hooks.sglang.agent import Sidecar
+from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.launcher import (
     WEIGHTS_GROUP_PORT_DELTA,
     LaunchError,

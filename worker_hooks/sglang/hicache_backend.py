@@ -43,7 +43,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from worker_hooks.sglang.page_routes import PageRoute, RequestRoutes, RouteLookup
-from worker_hooks.sglang.page_store import PageStore, PageStoreConfig, PageStoreStats
+from worker_hooks.sglang.page_store import PageStore
+from worker_hooks.sglang.page_store_config import PageStoreConfig, PageStoreStats
 from worker_hooks.sglang.storage_layout import load_route_provider, options_from_extra_config, shard_layout
 
 _live: weakref.WeakSet[LumenHiCacheStorage] = weakref.WeakSet()

@@ -118,7 +118,7 @@ def parent_key(prefix_ids: Sequence[int], page_size: int, seed: str | None) -> s
 
 def holder_endpoints(ckpt: LumenCheckpoint, write_to: Sequence[int]) -> tuple[str, ...]:
     """This rank's endpoints at the request's holders: shard s of each holder for s in `write_to`
-    (`page_store.shard_layout`); a malformed endpoint is left out."""
+    (`storage_layout.shard_layout`); a malformed endpoint is left out."""
     out: list[str] = []
     for holder in ckpt.holders:
         for shard in write_to:
