@@ -193,6 +193,7 @@ class AdminAPI:
                     {
                         "rid": s.job.rid,
                         "worker": it.worker_id,
+                        "incarnation": it.incarnation,
                         "reason": it.reason,
                         "t": round(it.at - self.gw.started_at, 4),
                         "emitted_before": it.emitted_before,

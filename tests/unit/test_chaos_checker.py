@@ -141,3 +141,34 @@ def test_fencing_is_per_gateway_and_per_incarnation() -> None:
     for ev in h2["requests"][0]["events"]:
         ev[0] += FENCE_SLACK_S + 1
     assert rules(h2) == {}
+
+
+def test_output_written_before_the_fence_may_arrive_late_nothing_after_it() -> None:
+    """A partition between gateway and client holds what the gateway wrote before its fence until the
+    heal: those positions (up to the interruption's `emitted_before`) arrive late and are no violation;
+    one position more from the fenced incarnation is (as in the 30-minute soak, request 6018)."""
+
+    def late_history(emitted_before: int) -> dict[str, Any]:
+        h = history()
+        r = h["requests"][0]
+        r["rid"] = "cmpl-1"
+        h["state_events"] = [{"t": 0.0, "gateway": 0, "worker": "w0", "incarnation": 7, "to": "FAILED"}]
+        for ev in r["events"]:
+            ev[0] += FENCE_SLACK_S + 1  # all of it after the slack
+        h["interruptions"] = [
+            {
+                "t": 0.0,
+                "gateway": 0,
+                "rid": "cmpl-1",
+                "worker": "w0",
+                "incarnation": 7,
+                "emitted_before": emitted_before,
+            }
+        ]
+        return h
+
+    assert rules(late_history(len(WANT))) == {}  # every position was written before the fence
+    assert rules(late_history(len(WANT) - 1)) == {"fenced": 1}  # the last one was not
+    other = late_history(len(WANT))
+    other["interruptions"][0]["incarnation"] = 6  # an interruption of another incarnation excuses nothing
+    assert rules(other) == {"fenced": 1}
