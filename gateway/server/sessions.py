@@ -55,6 +55,10 @@ from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.sessions")
 
+# attempts a worker refused as addressed to an incarnation it no longer is do not count toward
+# recovery.max_attempts; in all, a session makes at most this many times max_attempts
+STALE_REFUSALS_FACTOR = 3
+
 
 class SessionManager:
     """Implements `jobs.Generator` for the HTTP API."""
@@ -155,9 +159,17 @@ class SessionManager:
                     raise UpstreamRejected(
                         f"worker {worker.id} rejected the request: {exc.body[:200]}"
                     ) from exc
-                # stale view (409) or still loading (503): another worker, not a failure of this one
-                excluded.add(worker.id)
                 lost_reason = str(exc)
+                if exc.stale_incarnation:
+                    # the worker runs a newer incarnation than the one we addressed (it restarted and
+                    # our view lags): that one is gone, so fence it; the worker's new incarnation is
+                    # welcome once it attaches. Nothing ran: the attempt does not count.
+                    self.monitor.report_data_failure(
+                        worker.id, worker.incarnation, "answered 409 stale_epoch"
+                    )
+                    s.refused += 1
+                else:  # still loading (503) or in trouble (5xx): another worker, not a failure of it
+                    excluded.add(worker.id)
             except WorkerLost as exc:
                 lost_reason = exc.reason
                 if exc.connection_broke:
@@ -172,8 +184,9 @@ class SessionManager:
                 raise UpstreamFailed(
                     f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'"
                 )
-            if s.attempts >= rec_cfg.max_attempts:
-                raise UpstreamFailed(f"gave up after {s.attempts} worker attempts; last: {lost_reason}")
+            tried = s.attempts - s.refused
+            if tried >= rec_cfg.max_attempts or s.attempts >= STALE_REFUSALS_FACTOR * rec_cfg.max_attempts:
+                raise UpstreamFailed(f"gave up after {tried} worker attempts; last: {lost_reason}")
 
     async def _pick(self, s: Session, excluded: set[str]) -> WorkerRecord:
         """The worker for the next attempt: the router for the first, recovery dispatch afterwards."""

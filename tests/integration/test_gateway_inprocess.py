@@ -187,3 +187,24 @@ async def test_worker_shutdown_mid_stream_resumes_on_the_other_worker() -> None:
         await task
         assert "".join(got) == want
         assert session.interruptions and session.interruptions[0].resumed_on != victim.worker_id
+
+
+async def test_a_worker_that_restarted_behind_the_gateways_back_costs_no_attempt() -> None:
+    """w0's process became a newer incarnation the gateway has not heard of yet (a restart at the same
+    address): it answers 409 stale_epoch. The gateway fences the incarnation it addressed, and the
+    request goes to w1 without spending one of its attempts: with recovery.max_attempts = 1 every
+    request still completes exactly (before, the refusal was the one attempt: "gave up after 1")."""
+    async with cluster(2, **{"recovery.max_attempts": 1}) as (gw, ws, http):
+        stale = gw.monitor.workers["w0"].incarnation
+        ws[0].engine.incarnation = stale + 1  # what the gateway addresses is gone
+        prompt = list(b"who serves me")
+        want = expected_bytes(prompt, 12).decode()
+        for _ in range(6):  # the router spreads them: some are sent to w0 first
+            async with http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            ) as r:
+                body = await r.json()
+                assert r.status == 200, body
+                assert body["choices"][0]["text"] == want
+        refused = [e for e in gw.monitor.events if e.worker_id == "w0" and e.incarnation == stale]
+        assert any("409 stale_epoch" in e.reason for e in refused), [e.reason for e in refused]

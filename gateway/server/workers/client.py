@@ -58,6 +58,11 @@ class WorkerRefused(Exception):
         self.body = body
 
     @property
+    def stale_incarnation(self) -> bool:
+        """A Lumen worker's 409 `stale_epoch`: it is another (newer) incarnation than we addressed."""
+        return self.status == 409 and "stale_epoch" in self.body
+
+    @property
     def retryable(self) -> bool:
         # 409: stale incarnation (our view lags); 503: still loading; 5xx: worker trouble
         return self.status == 409 or self.status >= 500
