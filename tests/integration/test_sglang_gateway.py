@@ -151,8 +151,8 @@ async def test_an_unready_server_is_not_attached_until_ready() -> None:
     gw = Gateway(cfg)
     await gw.start()
     try:
-        await asyncio.sleep(0.3)  # a few polls: none may attach it
-        assert gw.monitor.healthy_count() == 0
+        await wait_until(lambda: server.not_ready_answers >= 3, 5.0)  # three polls answered 503
+        assert gw.monitor.healthy_count() == 0 and "sglang-0" not in gw.monitor.workers
         server.set_not_ready(False)
         await wait_until(lambda: gw.monitor.healthy_count() == 1, 5.0)
         assert gw.monitor.workers["sglang-0"].engine == "sglang"
