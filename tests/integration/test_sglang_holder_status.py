@@ -8,8 +8,10 @@ a session's first beat, bytes used and tokens held), up to the gateway's checkpo
 from __future__ import annotations
 
 import asyncio
+import stat
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -124,6 +126,26 @@ def test_the_status_socket_answers_durable_tokens_per_request_over_zmq(
     with pytest.raises(ValueError, match="bad holder status request"):
         hs.decode_status(ask(holder.status_endpoint, b"\xc1junk"))
     assert hs.decode_status(ask(holder.status_endpoint, msgspec.msgpack.encode({}))).durable == {"rid-b": b}
+
+
+def test_an_ipc_status_socket_is_for_its_owner_only(tmp_path: Path) -> None:
+    """The default status socket is an ipc:// file in /tmp: only its owner (the agent runs as the
+    server's user) may connect; it answers as over tcp."""
+    path = tmp_path / "status.sock"
+    holder = PageStore(
+        PageStoreConfig(
+            worker_id="h", holder_bind="tcp://127.0.0.1:0", status_bind=f"ipc://{path}", budget_bytes=1 << 20
+        ),
+        auth=PlaneAuth.generate(MemberTable()),
+    )
+    try:
+        assert holder.status_endpoint == f"ipc://{path}"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert (
+            hs.decode_status(ask(holder.status_endpoint, hs.encode(hs.HolderStatusRequest()))).bytes_used == 0
+        )
+    finally:
+        holder.close()
 
 
 def test_the_status_endpoint_is_derived_per_rank_as_the_agent_derives_it() -> None:

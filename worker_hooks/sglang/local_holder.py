@@ -24,6 +24,7 @@ the page store's event-loop thread (`start`, `stop_tasks`, `close`).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -214,6 +215,10 @@ class LocalHolder:
             )
             return None
         self.status_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.status_endpoint.startswith("ipc://"):
+            # what the store holds is the cluster's business only: the socket file is the owner's
+            # (the agent runs as the server's user); others may not connect to it
+            os.chmod(self.status_endpoint.removeprefix("ipc://"), 0o600)
         return asyncio.create_task(self._serve_status(sock), name=f"lumen-pages-status-{self.config.shard}")
 
     async def _serve_status(self, sock: zmq.asyncio.Socket) -> None:
