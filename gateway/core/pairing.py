@@ -15,10 +15,13 @@ drafter for a HEALTHY survivor until its full model is loaded. Rules:
   target's by more than `hysteresis` (additive, in `L̂` units). Moves repeat until none applies, so
   feeding the result back in as `current` returns it unchanged.
 - The cost gate (issue 17, `PairingParams.gate`, `speculation.assist_pays`): a target is paired
-  only if it is overloaded (requests waiting) and the cost model says drafting speeds its batch up
-  (drafter latency and the target's batch modelled); a current pair is kept while the speed-up
-  alone holds (no flapping as the queue empties and refills). Without a gate every target is eligible
-  (the paper's Algorithm 3).
+  only if it is overloaded (requests waiting) and the cost model says drafting makes it complete
+  requests faster (drafter latency, the target's batch and the prefill of the requests that take
+  the freed slots modelled); a current pair is kept while the speed-up alone holds (no flapping as
+  the queue empties and refills). Without a gate every target is eligible (the paper's Algorithm 3).
+- A restart loads its draft model first only if that pays (`draft_first_pays`): some target would
+  be paired now, and what drafting for it adds over the assist window outweighs what loading the
+  draft first delays the full model by (`speculation.load_pays`).
 Ties between equal loads go to the smaller id; the result does not depend on the order of the view,
 of `drafters`, or of `current`.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.core.health import SERVING_STATES, WorkerState
 from gateway.core.load import estimated_load
-from gateway.core.speculation import AssistGate, assist_pays
+from gateway.core.speculation import AssistGate, assist_pays, load_pays, view_gain
 from gateway.core.types import ClusterView, LoadParams, WorkerId, check
 
 
@@ -66,6 +69,18 @@ def draft_targets(
         out = [(load, wid) for load, wid in out if assist_pays(gate, view.workers[wid])]
     out.sort(key=lambda t: (-t[0], t[1]))
     return out
+
+
+def draft_first_pays(view: ClusterView, params: PairingParams, exclude: Collection[WorkerId] = ()) -> bool:
+    """Whether a restart (`exclude` it: it is not a target) should load its draft model first: without
+    a gate always (the paper's progressive recovery); with one, only when some target the gate would
+    pair now gains enough over the assist window to make up for the full model's later start
+    (`speculation.load_pays`)."""
+    gate = params.gate
+    if gate is None:
+        return True
+    targets = draft_targets(view, params, exclude)
+    return any(load_pays(gate, view_gain(gate, view.workers[wid])[1]) for _, wid in targets)
 
 
 def pair_drafters(

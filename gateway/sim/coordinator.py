@@ -1,8 +1,8 @@
 """The gateway side of the simulator: the same core policies the live gateway calls, on a virtual clock.
 
 Routing (`choose_worker`), holder placement (`choose_holders`, `reassign_holders`), recovery dispatch
-(`dispatch`), draft-assist pairing (`pair_drafters`, `choose_k`) and worker state changes
-(`transition`) all come from `gateway.core`; this module only keeps the books they read.
+(`dispatch`), draft-assist pairing (`pair_drafters`, `draft_first_pays`, `assist_gain`) and worker
+state changes (`transition`) all come from `gateway.core`; this module only keeps the books they read.
 
 The gateway's view is exact at each decision (no heartbeat lag), except that a dead worker keeps the
 load it had when it died, plus what was sent to it since, until the failure is detected.
@@ -24,10 +24,18 @@ from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.modes import RecoveryPolicy
 from gateway.core.outage import OutageParams, admission_limit, backlog_drained, queue_rank
-from gateway.core.pairing import PairingParams, draft_targets, pair_drafters
+from gateway.core.pairing import PairingParams, draft_first_pays, pair_drafters
 from gateway.core.reload import choose_seed
 from gateway.core.router import choose_worker, routing_params
-from gateway.core.speculation import AssistGate, choose_k, expected_tokens_per_step
+from gateway.core.speculation import (
+    DEFAULT_CHUNK,
+    DEFAULT_OUTPUT_TOKENS,
+    DEFAULT_PROMPT_TOKENS,
+    AssistGate,
+    assist_gain,
+    choose_k,
+    expected_tokens_per_step,
+)
 from gateway.core.types import ClusterView, LoadParams, WorkerView
 from gateway.sim.fastvalues import worker_view
 from gateway.sim.request import SimRequest
@@ -287,10 +295,10 @@ class Coordinator:
 
     # -- draft assist (Algorithm 3) ---------------------------------------------------------------
     def assist_wanted(self) -> bool:
-        """Whether some survivor would be drafted for now (the cost gate's verdict; no gate: yes)."""
-        if self.pairing_params.gate is None:
-            return True
-        return bool(draft_targets(self.view(), self.pairing_params))
+        """Whether a restart should load its draft model first (`pairing.draft_first_pays`): some
+        survivor would be drafted for now and drafting for it makes up for the full model's later
+        start (the gate's `load_delay_s` over its `assist_window_s`); no gate: yes."""
+        return draft_first_pays(self.view(), self.pairing_params)
 
     def repair(self, now: float) -> None:
         self.check_backlog(now)
@@ -309,11 +317,18 @@ class Coordinator:
             target.set_speculation(k, expected_tokens_per_step(self.draft.agreement, k), now, wait)
 
     def _choose_k(self, w: SimWorker) -> tuple[int, float]:
-        """k for target w's current batch, and the per-step wait for the drafter it implies."""
+        """k for target w's current batch, and the per-step wait for the drafter it implies. With the
+        cost gate, the k that completes requests fastest (`speculation.assist_gain`: the prefill of
+        the requests taking freed slots included), as the gate judged the pair; without, the k with
+        the most decode throughput (the paper's)."""
         b = max(1, len(w.batch))
         ctx = w.batch.ctx_sum(w.k) / b if w.batch else 1000.0
         # one draft-model decode step for the whole batch (only with draft.drafter_latency)
         draft_s = self.draft_step.step(b, b * ctx, b * ctx) if self.draft.drafter_latency else 0.0
+        gate = self.pairing_params.gate
+        if gate is not None:
+            k = assist_gain(gate, b, ctx)[0]
+            return k, k * draft_s
 
         def step(k: int) -> float:
             return w.cost.step(b * (1 + k), b * ctx * (1 + k), b * ctx) + k * draft_s
@@ -337,10 +352,26 @@ def prefilled_pages(r: SimRequest, page: int) -> int:
 
 
 def assist_gate(
-    draft: DraftSpec, target: CostModel, drafter: CostModel, nominal_batch: int
+    draft: DraftSpec,
+    target: CostModel,
+    drafter: CostModel,
+    nominal_batch: int,
+    *,
+    prompt_tokens: float = DEFAULT_PROMPT_TOKENS,
+    output_tokens: float = DEFAULT_OUTPUT_TOKENS,
+    chunk: int = DEFAULT_CHUNK,
+    load_delay_s: float | None = None,
+    assist_window_s: float | None = None,
 ) -> AssistGate | None:
     """The draft-assist cost gate of a scenario (None: `draft.assist_gate` off); the drafter's own
-    steps are charged only with `draft.drafter_latency`, as `Coordinator._choose_k` does."""
+    steps are charged only with `draft.drafter_latency`, as `Coordinator._choose_k` does.
+
+    The load's shape (mean prompt and output tokens, prefill chunk) defaults to the conversation
+    trace's. The restart's timeline defaults to the simulator's from the cost models: the draft model
+    loads first (engine start-up + its weights), then the full weights, so the full model serves the
+    draft's weights time later than a plain restart and the drafter drafts for the full weights' time.
+    A scenario that sets `cluster.draft_load_s` or `model_load_s` has another timeline: pass it.
+    """
     if not draft.assist_gate:
         return None
     return AssistGate(
@@ -352,6 +383,11 @@ def assist_gate(
         draft.assist_min_gain,
         draft.assist_min_waiting,
         nominal_batch,
+        prompt_tokens,
+        output_tokens,
+        chunk,
+        drafter.weights_time() if load_delay_s is None else load_delay_s,
+        target.weights_time() if assist_window_s is None else assist_window_s,
     )
 
 

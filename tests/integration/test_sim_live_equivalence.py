@@ -49,6 +49,9 @@ SCENARIO: dict[str, Any] = {
     # a server dies (its requests resume, its checkpoints are re-homed); later two more at once
     "failures": [{"at_s": 10.0, "workers": ["w0"]}, {"at_s": 24.0, "workers": ["w1", "w3"]}],
     "recovery": {"tau": 256, "theta": 1.0},
+    # drafts accepted often enough that loading the draft first pays here (at the default 0.7 the
+    # cost gate, rightly, loads the full model directly on this conv load: docs/design.md 4.5)
+    "draft": {"agreement": 0.8},
 }
 
 PHASE = {
