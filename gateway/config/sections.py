@@ -92,6 +92,10 @@ class LimitsSection:
     # a request body must arrive whole within this; also how long an unread body is drained after
     # an early answer (401, 413, ...) before the connection closes
     body_timeout_s: float = 30.0
+    # a streaming response that has written nothing this long since its headers (a recovery pause, a
+    # resumed stream replaying what its client already has) writes the SSE comment `: keep-alive`,
+    # so a client's read timeout tells a working gateway from a partitioned one; 0: never
+    sse_keepalive_s: float = 1.0
     # per API key (per client address when no keys are configured), 429 + Retry-After beyond; 0: unlimited
     per_key_max_concurrent: int = 0
     per_key_rate_per_s: float = 0.0  # requests per second, a token bucket refilled continuously

@@ -142,6 +142,12 @@ def _limits(cfg: Config) -> None:
             f"must be in (0, {MAX_HTTP_TIMEOUT_S:g}] seconds (a slow client holds a connection that long)",
         )
     _check(
+        0 <= lim.sse_keepalive_s <= MAX_HTTP_TIMEOUT_S,
+        "limits.sse_keepalive_s",
+        lim.sse_keepalive_s,
+        f"must be in [0, {MAX_HTTP_TIMEOUT_S:g}] seconds (0: no keep-alive comments)",
+    )
+    _check(
         lim.per_key_max_concurrent >= 0,
         "limits.per_key_max_concurrent",
         lim.per_key_max_concurrent,

@@ -12,7 +12,8 @@ resumes only the choices it served, each exactly. A stream's chunks carry their 
 Streams are SSE. The first step is awaited before the response starts, so a failure before any
 output is an ordinary JSON error with its own status. A GatewayError after the stream has begun is
 sent as one `data: {"error": {...}}` event and the stream ends WITHOUT `data: [DONE]`: a missing
-[DONE] tells a client the output is incomplete.
+[DONE] tells a client the output is incomplete. Once the headers are out, a stream silent for
+`limits.sse_keepalive_s` gets a `: keep-alive` comment line (keepalive.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from aiohttp import hdrs, web
 from gateway.config import Config
 from gateway.protocol.openai.envelopes import (
     SSE_DONE,
-    SSE_HEADERS,
     ChatEnvelope,
     CompletionEnvelope,
     Json,
@@ -63,6 +63,7 @@ from gateway.server.api.errors import (
 from gateway.server.api.formats import Format, NativeFormat, OpenAIFormat
 from gateway.server.api.generation import Choices, Generation
 from gateway.server.api.jobs import GenerateJob, Generator, Sampling
+from gateway.server.api.keepalive import SseResponse
 from gateway.server.api.openapi import ClientRoute, document
 from gateway.server.api.resume import LAST_EVENT_ID, ResumePoint, StreamIds, draw_seed, resume_point
 from gateway.server.api.schemas import bounds_of, check_prompt_length
@@ -359,7 +360,8 @@ async def respond(
                 parts[got[0]].append(got[1].text)
             return _json(fmt.response(["".join(p) for p in parts], gens))
         first = await choices.next()  # raises before any output: the middleware answers with a status
-        resp = web.StreamResponse(headers=SSE_HEADERS)
+        # from here on, silence longer than limits.sse_keepalive_s gets a comment line (keepalive.py)
+        resp = SseResponse(request.config_dict[CLIENT_API].config.limits.sse_keepalive_s)
         await resp.prepare(request)
         try:
             got = first
@@ -384,6 +386,8 @@ async def respond(
             # the status is already sent, so the error middleware cannot answer: end the stream cleanly
             log.exception("stream failed", rid=choices.job.rid)
             await _write_error(resp, error_body("internal server error", "internal_error"))
+        finally:
+            resp.stop_keepalive()  # the stream ended, or the handler was cancelled (client gone)
         return resp
 
 
