@@ -9,8 +9,8 @@ request joins or leaves in O(log B) (a heap of finish steps). Changing e re-base
 
 from __future__ import annotations
 
-import heapq
 import math
+from heapq import heappop, heappush
 
 from gateway.sim.request import SimRequest
 
@@ -40,30 +40,38 @@ class DecodeBatch:
     def start(self, r: SimRequest, k: int) -> None:
         """r's prefill just emitted a token at step k: it decodes from the next step on."""
         r.k_join = k
-        r.emitted_base = float(r.emitted)
-        r.ctx_base = float(r.context)
-        r.rem_base = float(r.output - r.emitted)
-        self._join(r, k)
+        emitted = r.emitted
+        r.emitted_base = float(emitted)
+        r.ctx_base = ctx = float(r.prompt + emitted)  # r.context
+        r.rem_base = rem = float(r.output - emitted)
+        # _join(r, k), inlined (the hot path: once per request)
+        e = self.e
+        steps = math.ceil(rem / e - 1e-9)
+        r.finish_step = finish = k + (steps if steps > 1 else 1)
+        r.a_term = a_term = ctx - k * e
+        self.a_sum += a_term
+        self.members[r.rid] = r
+        heappush(self.heap, (finish, r.rid))
 
     def _join(self, r: SimRequest, k: int) -> None:
         r.finish_step = k + max(1, math.ceil(r.rem_base / self.e - 1e-9))
         r.a_term = r.ctx_base - r.k_join * self.e
         self.a_sum += r.a_term
         self.members[r.rid] = r
-        heapq.heappush(self.heap, (r.finish_step, r.rid))
+        heappush(self.heap, (r.finish_step, r.rid))
 
     def pop_finished(self, k: int) -> list[SimRequest]:
         """Remove and return the requests that have emitted all their tokens by step k."""
-        heap, out = self.heap, []
+        heap, members, out = self.heap, self.members, []
         while heap and heap[0][0] <= k:
-            step, rid = heapq.heappop(heap)
-            r = self.members.get(rid)
+            step, rid = heappop(heap)
+            r = members.get(rid)
             if r is None or r.finish_step != step:
                 continue
-            del self.members[rid]
+            del members[rid]
             self.a_sum -= r.a_term
             out.append(r)
-        if not self.members:
+        if not members:
             self.a_sum = 0.0  # drop accumulated rounding
         return out
 

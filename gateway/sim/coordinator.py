@@ -115,7 +115,6 @@ class Coordinator:
         dirty = self._dirty
         if not dirty:
             return self._view
-        old = self._view.workers
         changed = []
         for w in dirty:
             if not w.dirty:
@@ -124,7 +123,7 @@ class Coordinator:
             if w.alive:  # self._view_of(w), the fast way (the hot path)
                 changed.append(worker_view(w, w.running, len(w.waiting), w.kv_used, w.kv_capacity, 0))
             else:
-                last = old[w.id]
+                last = self._view.workers[w.id]
                 changed.append(
                     worker_view(
                         w,
@@ -170,25 +169,32 @@ class Coordinator:
             expected = r.context + (r.output - r.emitted)
             nbytes = expected * self.kvb
             chosen = choose_holders(self.view(), w.id, nbytes, self.holder_params)
-            self._charge(r, tuple(self.by_id[h] for h in chosen), expected)
+            by_id = self.by_id
+            holders = (by_id[chosen[0]],) if len(chosen) == 1 else tuple([by_id[h] for h in chosen])
+            self._charge(r, holders, expected)
         w.enqueue(r, now, self._rank(r))
 
     def _charge(self, r: SimRequest, holders: tuple[SimWorker, ...], tokens: int) -> None:
+        nbytes = tokens * self.kvb
         for h in holders:
             h.ckpt_tokens += tokens
-            h.ckpt_bytes += tokens * self.kvb
+            h.ckpt_bytes += nbytes
             h.held.add(r)
-            h.mark_dirty()
-        r.holders = r.holders + holders
+            if not h.dirty:
+                h.mark_dirty()
+        r.holders = r.holders + holders if r.holders else holders
         r.ck_tokens = tokens
 
     def release(self, r: SimRequest) -> None:
         """Every holder drops r's checkpoint (the request ended, or a new attempt starts)."""
+        tokens = r.ck_tokens
+        nbytes = tokens * self.kvb
         for h in r.holders:
-            h.ckpt_tokens -= r.ck_tokens
-            h.ckpt_bytes -= r.ck_tokens * self.kvb
+            h.ckpt_tokens -= tokens
+            h.ckpt_bytes -= nbytes
             h.held.discard(r)
-            h.mark_dirty()
+            if not h.dirty:
+                h.mark_dirty()
         r.holders = ()
         r.ck_time = None
 
@@ -268,7 +274,8 @@ class Coordinator:
 
     # -- the outage: survivors' queue order and batch limit (gateway.core.outage) -------------------
     def _rank(self, r: SimRequest) -> tuple[int, int]:
-        return queue_rank(r.attempts, max(1, r.context - r.restored), self.outage, self.recovering)
+        prefill = r.prompt + r.emitted - r.restored  # max(1, r.context - r.restored): a call to max
+        return queue_rank(r.attempts, prefill if prefill > 1 else 1, self.outage, self.recovering)
 
     def _set_recovering(self, on: bool, now: float) -> None:
         self.recovering = on

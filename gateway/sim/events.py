@@ -11,7 +11,7 @@ import itertools
 from typing import Any
 
 # event kinds
-ARRIVAL = 0  # the next request of the workload arrives at the gateway
+ARRIVAL = 0  # the next request of the workload arrives (not in the heap: Simulation.run)
 STEP = 1  # a worker's step (or run of decode steps) ends; a = worker, b = the worker's plan version
 RESTORED = 2  # a request's KV restore (host -> GPU) finished; a = worker, b = (request, incarnation)
 KILL = 3  # a failure of the scenario strikes; a = its index
@@ -26,16 +26,19 @@ Event = tuple[float, int, int, Any, Any]
 
 
 class EventQueue:
-    """The heap is public so the simulation's loop can pop it directly (`heapq.heappop(q.heap)`)."""
+    """The heap and the sequence are public so the hot paths can use them directly: the simulation's
+    loop pops the heap (`heapq.heappop(q.heap)`), and a worker pushes its steps as `push` does
+    (`heapq.heappush(q.heap, (time, next(q.seq), kind, a, b))`). The simulation also takes a sequence
+    number for each arrival, which it keeps outside the heap (`Simulation.run`)."""
 
-    __slots__ = ("_seq", "heap")
+    __slots__ = ("heap", "seq")
 
     def __init__(self) -> None:
         self.heap: list[Event] = []
-        self._seq = itertools.count()
+        self.seq = itertools.count()
 
     def push(self, time: float, kind: int, a: Any = None, b: Any = None) -> None:
-        heapq.heappush(self.heap, (time, next(self._seq), kind, a, b))
+        heapq.heappush(self.heap, (time, next(self.seq), kind, a, b))
 
     def pop(self) -> Event:
         return heapq.heappop(self.heap)

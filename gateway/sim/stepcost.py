@@ -7,12 +7,12 @@ roofline in O(1); `tests/unit/test_sim_stepcost.py` checks it equals `CostModel.
 A run of decode-only steps with a fixed batch (B requests, each emitting e tokens per step and
 verifying v drafted tokens) has a context sum that grows by B·e per step, so both roofline terms are
 linear in the step index j and the step time is `fixed + max(compute(j), memory(j))`. `Run` sums that
-in closed form and inverts the sum by bisection, so a worker advances a whole run in one event.
+in closed form and inverts the sum (`steps_within`), so a worker advances a whole run in one event.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 from gateway.core.costmodel import CostModel
 
@@ -52,72 +52,80 @@ class StepCost:
         # verification attends over the batch's mean context per drafted token (CostModel.step_time)
         scale = 1.0 + verify / batch
         return Run(
-            fixed=self.fixed + extra_s,
-            ac=self.flop_tok * new + self.flop_attn * ctx_sum * scale,
-            bc=self.flop_attn * per_step * scale,
-            am=self.mem_w + self.mem_tok * (ctx_sum + new),
-            bm=self.mem_tok * per_step,
+            self.fixed + extra_s,
+            self.flop_tok * new + self.flop_attn * ctx_sum * scale,
+            self.flop_attn * per_step * scale,
+            self.mem_w + self.mem_tok * (ctx_sum + new),
+            self.mem_tok * per_step,
         )
 
 
-@dataclass(frozen=True, slots=True)
 class Run:
-    """Step j of a decode run takes `fixed + max(ac + bc·j, am + bm·j)` seconds."""
+    """Step j of a decode run takes `fixed + max(ac + bc·j, am + bm·j)` seconds.
 
-    fixed: float
-    ac: float
-    bc: float
-    am: float
-    bm: float
+    A plain slotted class (not a frozen dataclass, whose `__init__` costs several times more: a worker
+    makes one per decode run); its fields are not changed once made. The lines' crossing point and
+    their order are worked out once here, not at every `time`.
+    """
+
+    __slots__ = ("a1", "a2", "ac", "am", "b1", "b2", "bc", "bm", "cross", "fixed")
+
+    def __init__(self, fixed: float, ac: float, bc: float, am: float, bm: float) -> None:
+        self.fixed, self.ac, self.bc, self.am, self.bm = fixed, ac, bc, am, bm
+        d0, dd = ac - am, bc - bm
+        # steps [0, split) take one line (a1 + b1·j), [split, n) the other, with split the crossing
+        # point rounded up and clamped to [0, n] (parallel lines: never, split = n)
+        if dd == 0:
+            self.cross, first_compute = math.inf, d0 > 0
+        elif dd > 0:  # compute overtakes memory at j >= -d0/dd
+            self.cross, first_compute = -d0 / dd, False
+        else:  # compute is above memory up to j <= -d0/dd
+            self.cross, first_compute = -d0 / dd, True
+        if first_compute:
+            self.a1, self.b1, self.a2, self.b2 = ac, bc, am, bm
+        else:
+            self.a1, self.b1, self.a2, self.b2 = am, bm, ac, bc
 
     def step(self, j: int) -> float:
         return self.fixed + max(self.ac + self.bc * j, self.am + self.bm * j)
 
     def time(self, n: int) -> float:
-        """Seconds for the first n steps."""
+        """Seconds for the first n steps: `n·fixed + Σ_{j<split} (a1 + b1·j) + Σ_{split<=j<n} (a2 + b2·j)`,
+        each sum in closed form (`a·count + b·(lo + hi − 1)·count / 2`)."""
         if n <= 0:
             return 0.0
-        d0, dd = self.ac - self.am, self.bc - self.bm
-        # steps [0, split) take one line, [split, n) the other
-        if dd == 0:
-            split, first_compute = n, d0 > 0
-        elif dd > 0:  # compute overtakes memory at j >= -d0/dd
-            split, first_compute = _clamp_ceil(-d0 / dd, n), False
-        else:  # compute is above memory up to j <= -d0/dd
-            split, first_compute = _clamp_ceil(-d0 / dd, n), True
-        a1, b1, a2, b2 = (self.ac, self.bc, self.am, self.bm)
-        if not first_compute:
-            a1, b1, a2, b2 = a2, b2, a1, b1
-        return n * self.fixed + _line_sum(a1, b1, 0, split) + _line_sum(a2, b2, split, n)
+        x = self.cross
+        if x <= 0:
+            split = 0
+        elif x >= n:
+            split = n
+        else:
+            split = int(x)
+            if split != x:
+                split += 1
+        first = 0.0 if split <= 0 else self.a1 * split + self.b1 * (split - 1) * split / 2.0
+        count = n - split
+        second = 0.0 if count <= 0 else self.a2 * count + self.b2 * (split + n - 1) * count / 2.0
+        return n * self.fixed + first + second
 
     def steps_within(self, dt: float, limit: int) -> int:
-        """The number of whole steps (at most `limit`) that end within `dt` seconds."""
+        """The number of whole steps (at most `limit`) that end within `dt` seconds: the n with
+        time(n) <= dt < time(n + 1) (`time` increases with n: every step takes at least `fixed`).
+
+        Guessed from the run's mean step time, then corrected a step at a time (usually none or one
+        step, where a bisection takes ~log2(limit) evaluations of `time`)."""
         if dt <= 0:
             return 0
-        lo, hi = 0, limit
-        if self.time(hi) <= dt:
-            return hi
-        while hi - lo > 1:  # time(lo) <= dt < time(hi)
-            mid = (lo + hi) // 2
-            if self.time(mid) <= dt:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-
-def _clamp_ceil(x: float, n: int) -> int:
-    if x <= 0:
-        return 0
-    if x >= n:
+        time = self.time
+        whole = time(limit)
+        if whole <= dt:
+            return limit
+        n = int(dt / whole * limit)  # time(0) = 0 < dt < time(limit): the walks below end inside
+        if time(n) > dt:
+            n -= 1
+            while n > 0 and time(n) > dt:
+                n -= 1
+        else:
+            while time(n + 1) <= dt:
+                n += 1
         return n
-    i = int(x)
-    return i if i == x else i + 1
-
-
-def _line_sum(a: float, b: float, lo: int, hi: int) -> float:
-    """Σ_{j=lo}^{hi-1} (a + b·j)."""
-    if hi <= lo:
-        return 0.0
-    count = hi - lo
-    return a * count + b * (lo + hi - 1) * count / 2.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from heapq import heappush
 from typing import Protocol
 
 from gateway.core.health import WorkerState
@@ -58,7 +59,8 @@ class SimWorker:
         ckpt_budget_bytes: int,
     ) -> None:
         self.host, self.id, self.domain, self.cost = host, wid, domain, cost
-        self.push = host.queue.push  # the simulation's event queue (bound once: the hot path)
+        # the simulation's event queue, pushed onto directly as `EventQueue.push` does (the hot path)
+        self._heap, self._seq = host.queue.heap, host.queue.seq
         self.restore_s_per_token = restore_s_per_token
         self.max_running, self.chunk, self.kv_capacity = max_running, chunk, kv_capacity
         self.ckpt_budget_bytes = ckpt_budget_bytes
@@ -139,16 +141,19 @@ class SimWorker:
 
     def kick(self, now: float) -> None:
         """New work: start a step when idle, or end the current decode run after its current step."""
-        if self.busy == IDLE:
+        busy = self.busy
+        if busy == IDLE:
             self._plan(now)
-        elif self.busy == DECODE:
-            assert self.run is not None
-            done = self.run.steps_within((now - self.seg_start) / self.slow, self.seg_steps)
+        elif busy == DECODE:
+            run = self.run
+            assert run is not None
+            slow = self.slow
+            done = run.steps_within((now - self.seg_start) / slow, self.seg_steps)
             if done + 1 < self.seg_steps:
                 self.seg_steps = done + 1
-                self.version += 1
-                end = self.seg_start + self.run.time(done + 1) * self.slow
-                self.push(end, STEP, self, self.version)
+                self.version = version = self.version + 1
+                end = self.seg_start + run.time(done + 1) * slow
+                heappush(self._heap, (end, next(self._seq), STEP, self, version))
 
     def set_speculation(self, k: int, e: float, now: float, wait_s: float = 0.0) -> None:
         """From the next step boundary: verify k drafts per request per step, emit e tokens per step on
@@ -178,17 +183,17 @@ class SimWorker:
         if version != self.version or not self.alive:
             return  # superseded by a cut, or the worker died
         if self.busy == PREFILL:
-            self.k += 1
+            self.k = k = self.k + 1
             heap = self.batch.heap
-            if heap and heap[0][0] <= self.k:  # a request finishes (the test of pop_finished)
+            if heap and heap[0][0] <= k:  # a request finishes (the test of pop_finished)
                 self._finish_due(now)
-            for r, n in self.chunks:
+            chunks, self.chunks = self.chunks, []
+            for r, n in chunks:
                 r.prefill_left -= n
                 r.kv_ctx += n
                 if r.prefill_left == 0:
                     self.prefill_q.popleft()
                     self._prefilled(r, now)
-            self.chunks = []
         else:
             self.k += self.seg_steps
             self._finish_due(now)
@@ -200,11 +205,15 @@ class SimWorker:
             self._apply_pending()
         if self.waiting:
             self._admit(now)
+        batch = self.batch
+        # len(batch.members) and batch.ctx_sum(k) inlined below (the same operations)
         if self.prefill_q:
             budget, new, attn, kv = self.chunk, 0, 0.0, 0.0
             chunks = self.chunks
             for r in self.prefill_q:
-                n = min(budget, r.prefill_left)
+                n = r.prefill_left
+                if budget < n:
+                    n = budget
                 c = r.kv_ctx
                 chunks.append((r, n))
                 new += n
@@ -213,48 +222,54 @@ class SimWorker:
                 budget -= n
                 if budget == 0:
                     break
-            b = len(self.batch)
+            b = len(batch.members)
             if b:
                 v = self.spec_k * b
-                ctx_sum = self.batch.ctx_sum(self.k)
+                ctx_sum = batch.a_sum + self.k * b * batch.e
                 new += b + v
                 attn += ctx_sum * (1.0 + v / b)
                 kv += ctx_sum
             dt = self.cost.step(new, attn, kv) + (self.spec_wait_s if b else 0.0)
             self.busy, self.seg_start, self.seg_steps = PREFILL, now, 1
-            self.version += 1
-            self.push(now + dt * self.slow, STEP, self, self.version)
-        elif self.batch:
-            batch, b = self.batch, len(self.batch)
-            ctx_sum = batch.ctx_sum(self.k)
+            self.version = version = self.version + 1
+            heappush(self._heap, (now + dt * self.slow, next(self._seq), STEP, self, version))
+        elif batch.members:
+            b, k = len(batch.members), self.k
+            ctx_sum = batch.a_sum + k * b * batch.e
             self.run = run = self.cost.decode_run(b, ctx_sum, b * batch.e, self.spec_k * b, self.spec_wait_s)
-            self.busy, self.seg_start, self.seg_steps = DECODE, now, batch.next_finish() - self.k
-            self.version += 1
-            self.push(now + run.time(self.seg_steps) * self.slow, STEP, self, self.version)
+            self.busy, self.seg_start = DECODE, now
+            self.seg_steps = steps = batch.heap[0][0] - k  # batch.next_finish() - k
+            self.version = version = self.version + 1
+            heappush(self._heap, (now + run.time(steps) * self.slow, next(self._seq), STEP, self, version))
 
     def _admit(self, now: float) -> None:
-        while self.waiting and self.running < self.max_running:
-            r = self.waiting[0]
-            need = r.context + (r.output - r.emitted)
-            if need > self.kv_capacity:
-                self.waiting.popleft()
+        waiting, capacity = self.waiting, self.kv_capacity
+        while waiting and self.running < self.max_running:
+            r = waiting[0]
+            ctx = r.prompt + r.emitted  # r.context
+            need = ctx + (r.output - r.emitted)
+            if need > capacity:
+                waiting.popleft()
                 self.host.on_rejected(r, now)
                 continue
-            if self.kv_used + need > self.kv_capacity:
+            if self.kv_used + need > capacity:
                 break  # FIFO: wait for KV to free up
-            self.waiting.popleft()
+            waiting.popleft()
             self.kv_used += need
             r.kv_reserved = need
             self.running += 1
-            self.mark_dirty()
-            ctx = r.context
-            r.prefill_left = max(1, ctx - r.restored)
-            r.kv_ctx = ctx - r.prefill_left
+            if not self.dirty:
+                self.mark_dirty()
+            prefill = ctx - r.restored
+            if prefill < 1:
+                prefill = 1
+            r.prefill_left = prefill
+            r.kv_ctx = ctx - prefill
             if r.kv_ctx > 0:
                 start = max(now, self.h2d_free)
                 self.h2d_free = start + r.kv_ctx * self.restore_s_per_token
                 self.restoring.add(r)
-                self.push(self.h2d_free, RESTORED, self, (r, self.incarnation))
+                heappush(self._heap, (self.h2d_free, next(self._seq), RESTORED, self, (r, self.incarnation)))
             else:
                 self.prefill_q.append(r)
 
@@ -267,13 +282,23 @@ class SimWorker:
             self.batch.start(r, self.k)
 
     def _finish_due(self, now: float) -> None:
-        for r in self.batch.pop_finished(self.k):
-            self._release(r)
+        finished = self.batch.pop_finished(self.k)
+        if not finished:
+            return
+        on_finished = self.host.on_finished
+        for r in finished:
+            # self._release(r), inlined
+            if not self.dirty:
+                self.mark_dirty()
+            self.running -= 1
+            self.kv_used -= r.kv_reserved
+            r.kv_reserved = 0
             r.emitted = r.output
-            self.host.on_finished(r, now)
+            on_finished(r, now)
 
     def _release(self, r: SimRequest) -> None:
-        self.mark_dirty()
+        if not self.dirty:
+            self.mark_dirty()
         self.running -= 1
         self.kv_used -= r.kv_reserved
         r.kv_reserved = 0

@@ -1,0 +1,168 @@
+"""The simulator's speed-ups (issue 17, item 5) change nothing it computes.
+
+`scripts/bench_sim.py golden` compares whole runs against recorded fingerprints; these tests keep the
+two places where the fast path replaced a simpler one honest on their own: arrivals kept outside the
+event heap run in exactly the heap's (time, sequence) order, and a decode run's `steps_within` finds
+the step a bisection over `time` finds.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.core.costmodel import MODELS, CostModel
+from gateway.core.modes import policy_for
+from gateway.sim import events as ev
+from gateway.sim.request import SimRequest
+from gateway.sim.result import RunResult
+from gateway.sim.runner import build_workload
+from gateway.sim.scenario import Scenario, parse_scenario
+from gateway.sim.simulation import Simulation
+from gateway.sim.stepcost import Run, StepCost
+from gateway.sim.workload import Workload
+
+
+class HeapArrivals(Simulation):
+    """The event loop as it was: every arrival an ARRIVAL event on the heap, pushed when the previous
+    one is handled."""
+
+    def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
+        q, arrivals = self.queue, self._arrivals
+        if arrivals:
+            q.push(arrivals[0], ev.ARRIVAL, 0)
+        for i, f in enumerate(self.failures):
+            q.push(f.at_s, ev.KILL, i)
+        q.push(0.0, ev.TICK)
+        events = 0
+        while q.heap:
+            t, _, kind, a, b = heapq.heappop(q.heap)
+            self.now = t
+            events += 1
+            if kind == ev.ARRIVAL:
+                r = SimRequest(a, t, self._prompts[a], self._outputs[a])
+                self.requests.append(r)
+                self.open += 1
+                if a + 1 < len(arrivals):
+                    q.push(arrivals[a + 1], ev.ARRIVAL, a + 1)
+                if not self.coord.route(r, t):
+                    self._wait(r, t)
+            elif kind == ev.STEP:
+                a.on_step(t, b)
+            elif kind == ev.RESTORED:
+                r, inc = b
+                if a.incarnation == inc and r in a.restoring:
+                    a.on_restored(r, t)
+            elif kind == ev.TICK:
+                self._tick(t)
+            elif kind == ev.KILL:
+                self._strike(a, t)
+            elif kind == ev.DETECT:
+                self._detect(a, t)
+            elif kind == ev.PHASE:
+                self._phase(a, b, t)
+            elif kind == ev.GIVE_UP and a in self.gw_waiting:
+                self.gw_waiting.remove(a)
+                self._fail(a, t)
+            elif kind == ev.SEED:
+                self._seed_sends(a, b, t)
+            elif kind == ev.RESTART:
+                self._restart_hung(a, b, t)
+        return self._result(events)
+
+
+def _scenario() -> Scenario:
+    return parse_scenario(
+        {
+            "cluster": {"workers": 4, "model": "Qwen3-8B", "draft_model": "Qwen3-0.6B"},
+            "workload": {"rate": 60.0, "duration_s": 20.0},
+            "failures": [{"at_s": 6.0, "workers": ["w1"]}, {"at_s": 12.0, "workers": ["w2", "w3"]}],
+            "sample_s": 0.25,
+        },
+        name="heap-order",
+    )
+
+
+def _tied(w: Workload) -> Workload:
+    """The workload on a 50 ms grid, so that the order of simultaneous events decides what is sampled
+    and routed: several arrivals at each instant, some at the failures' instants and at the sampling
+    ticks. Ties go both ways: an arrival's sequence number is taken when the previous one is handled,
+    so one after a lull (none in (9, 10) s) precedes the tick at 10 s, as the first (at 0) precedes the
+    tick at 0, while an arrival at a tick in steady traffic follows it."""
+    arrivals = np.round(w.arrivals * 20.0) / 20.0
+    keep = (arrivals <= 9.0) | (arrivals >= 10.0)
+    arrivals, prompts, outputs = arrivals[keep], w.prompts[keep], w.outputs[keep]
+    arrivals[0] = 0.0
+    return Workload(arrivals, prompts, outputs)
+
+
+def _same(a: RunResult, b: RunResult) -> None:
+    assert a.records == b.records
+    assert a.stats == b.stats  # the event count included
+    assert a.simulated_s == b.simulated_s
+    assert np.array_equal(a.sample_times, b.sample_times)
+    assert np.array_equal(a.queue, b.queue) and np.array_equal(a.ckpt_tokens, b.ckpt_tokens)
+
+
+@pytest.mark.parametrize("mode", ["stop_restart", "lumen"])
+def test_arrivals_outside_the_heap_run_in_the_heaps_order(mode: str) -> None:
+    s = _scenario()
+    workload = _tied(build_workload(s, 5))
+    arrivals = workload.arrivals
+    assert len(np.unique(arrivals)) < len(arrivals) and 10.0 in arrivals and 6.0 in arrivals  # ties
+    fast = Simulation(s, policy_for(mode), workload, 5).run()
+    slow = HeapArrivals(s, policy_for(mode), workload, 5).run()
+    _same(fast, slow)
+    assert fast.stats.restores + fast.stats.replays > 0  # the failures interrupted requests
+
+
+def test_a_run_leaves_the_garbage_collector_as_it_found_it() -> None:
+    s = parse_scenario({"cluster": {"workers": 2}, "workload": {"rate": 5.0, "duration_s": 2.0}})
+    enabled = gc.isenabled()
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            Simulation(s, policy_for("lumen"), build_workload(s, 1), 1).run()
+            assert gc.isenabled() is before
+    finally:
+        (gc.enable if enabled else gc.disable)()
+
+
+def _bisect(run: Run, dt: float, limit: int) -> int:
+    """`Run.steps_within` as it was: a bisection over `time`."""
+    if dt <= 0:
+        return 0
+    lo, hi = 0, limit
+    if run.time(hi) <= dt:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run.time(mid) <= dt:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@given(
+    st.sampled_from(sorted(MODELS)),
+    st.integers(1, 256),
+    st.integers(1, 8000),
+    st.sampled_from([1.0, 1.7, 2.4]),
+    st.integers(0, 4),
+    st.integers(1, 3000),
+    st.floats(0.0, 1.2),
+)
+def test_steps_within_finds_the_step_a_bisection_finds(
+    model: str, b: int, ctx: int, e: float, k: int, limit: int, frac: float
+) -> None:
+    run = StepCost(CostModel.preset(model, "H100-80G")).decode_run(b, b * ctx, b * e, k * b)
+    whole = run.time(limit)
+    for dt in (frac * whole, run.time(int(frac * limit)), whole, -1.0, 0.0):
+        assert run.steps_within(dt, limit) == _bisect(run, dt, limit)
