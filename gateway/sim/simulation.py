@@ -112,6 +112,15 @@ class Simulation:
         self.full_load_s = c.model_load_s if c.model_load_s >= 0 else self.cost.load_time()
         self.draft_load_s = c.draft_load_s if c.draft_load_s >= 0 else draft_cost.load_time()
         self.weights_load_s = self.cost.load_time(engine_startup_s=0.0)  # after the draft: no restart
+        # a restart that loads its draft first serves this long after the draft is ready: the full
+        # weights (no second start-up); a scenario's `model_load_s` (the whole plain reload) is kept,
+        # the draft's own weights added to it, as the cost models do without overrides
+        overridden = c.model_load_s >= 0 or c.draft_load_s >= 0
+        self.after_draft_s = (
+            max(0.0, self.full_load_s + draft_cost.load_time(engine_startup_s=0.0) - self.draft_load_s)
+            if overridden
+            else self.weights_load_s
+        )
         # seeded reload: the same with the weights from a survivor
         self.reload_source = rec.reload
         peer_bw = c.peer_bw or None
@@ -157,7 +166,18 @@ class Simulation:
                 load,
                 scenario.draft.hysteresis,
                 scenario.draft.max_drafters_per_target,
-                assist_gate(scenario.draft, self.cost, draft_cost, c.max_running_requests),
+                assist_gate(
+                    scenario.draft,
+                    self.cost,
+                    draft_cost,
+                    c.max_running_requests,
+                    # the overridden timeline (None: the cost models'): the delay a draft-first
+                    # restart costs against a plain one, and how long its drafter drafts
+                    load_delay_s=self.draft_load_s + self.after_draft_s - self.full_load_s
+                    if overridden
+                    else None,
+                    assist_window_s=self.after_draft_s if overridden else None,
+                ),
             ),
             scenario.draft,
             StepCost(draft_cost),
@@ -452,7 +472,7 @@ class Simulation:
         if first:
             ready = now + self.draft_load_s
             q.push(ready, ev.PHASE, w, (inc, S.DRAFT_READY, rl, 0))
-            serving = ready + (self.weights_load_s if seed is None else self.peer_weights_s)
+            serving = ready + (self.after_draft_s if seed is None else self.peer_weights_s)
         else:
             serving = now + full
         if seed is not None:

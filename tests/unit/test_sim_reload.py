@@ -175,3 +175,16 @@ def test_peer_reloads_conserve_every_request(failures: Any) -> None:
             assert all(rl.source == "disk" for rl in res.stats.reloads)
         else:
             assert any(rl.source.startswith("peer") for rl in res.stats.reloads)
+
+
+def test_a_draft_first_restart_keeps_the_scenarios_model_load_time() -> None:
+    """`model_load_s` 8 s and `draft_load_s` 2 s: a restart that loads its draft first serves 8 s plus
+    the draft's own weights after its start (the cost models' rule), not the draft time plus the
+    cost model's full weights (which ignored the scenario's 8 s)."""
+    draft_weights = CostModel.preset("Qwen3-0.6B", "H100-80G").load_time(engine_startup_s=0.0)
+    _, res = run("disk", "lumen", draft={"assist_gate": False}, model_load_s=8.0, draft_load_s=2.0)
+    rl = only(res)
+    assert rl.draft_first and rl.draft_ready_s == pytest.approx(rl.started_s + 2.0)
+    assert rl.reload_s == pytest.approx(8.0 + draft_weights)
+    _, plain = run("disk", "stop_restart", model_load_s=8.0, draft_load_s=2.0)
+    assert only(plain).reload_s == pytest.approx(8.0)
