@@ -100,12 +100,14 @@ class LoadTable:
             # and so the same floats; the table holds `was` at its L̂, as `was` is in the old view
             old: float | None = None
             if was is not None and was.state in SERVING:
-                old = alpha * (was.ckpt_tokens / max(1, was.kv_capacity_tokens)) + beta * (
+                cap = was.kv_capacity_tokens  # max(1, cap) without the call (an int: same value)
+                old = alpha * (was.ckpt_tokens / (cap if cap > 1 else 1)) + beta * (
                     (was.running + was.waiting + was.pending) / batch
                 )
             new: float | None = None
             if w.state in SERVING:
-                new = alpha * (w.ckpt_tokens / max(1, w.kv_capacity_tokens)) + beta * (
+                cap = w.kv_capacity_tokens
+                new = alpha * (w.ckpt_tokens / (cap if cap > 1 else 1)) + beta * (
                     (w.running + w.waiting + w.pending) / batch
                 )
             if new == old and (new or _same_zero(new, old)):
