@@ -26,7 +26,7 @@ import structlog
 
 from gateway.protocol.streamid import stream_key
 from loadtests.chaos.history import new_history, run_request
-from loadtests.chaos.netfaults import HostAddr, NetFaultRunner, NetFaults
+from loadtests.chaos.netfaults import HostAddr, NetFaultRunner, NetFaults, delay_backend
 from loadtests.chaos.netspec import check_hosts
 from loadtests.chaos.observe import Observer
 from loadtests.chaos.plan import PROGRESS_EVENT, PROGRESS_S, Plan, request_specs, split_faults
@@ -187,6 +187,8 @@ async def _load(plan: Plan, urls: list[str], schedule: FaultSchedule, net: list[
             "requests": histories,
             "faults": runner.fired,
             "net_faults": netrun.fired,
+            # how delay faults were injected here ("netem", "nfqueue"; None: they could not be)
+            "delay_backend": delay_backend() if any(f.kind == "delay" for f in net) else None,
             "drained": drained,
             "checkpoint_outcomes": outcomes,
             "urls": urls,

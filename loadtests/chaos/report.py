@@ -51,6 +51,12 @@ def write_markdown(history: dict[str, Any], rep: CheckReport, path: Path, *, tit
         + (", ".join(f"{k} {v}" for k, v in sorted(rep.faults.items())) or "none"),
         "",
     ]
+    if history.get("delay_backend"):
+        how = {"netem": "tc netem", "nfqueue": "the NFQUEUE delayer (userspace; no sch_netem here)"}
+        lines += [
+            f"Delay and jitter injected by {how.get(history['delay_backend'], history['delay_backend'])}.",
+            "",
+        ]
     if history.get("restarts") is not None:
         lines += [
             f"Worker process restarts: {history['restarts']}; gateway restarts: {history.get('gateway_restarts')}",
