@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import heapq
 from collections.abc import Callable
+from typing import Any
 
 from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.detector import DetectorParams, hang_detection_s
@@ -254,25 +255,8 @@ class Simulation:
                     if kind == step:
                         if b == a.version:  # else a stale plan (SimWorker.on_step would ignore it)
                             a.on_step(t, b)
-                    elif kind == ev.RESTORED:
-                        r, inc = b
-                        if a.incarnation == inc and r in a.restoring:
-                            a.on_restored(r, t)
-                    elif kind == ev.TICK:
-                        self._tick(t)
-                    elif kind == ev.KILL:
-                        self._strike(a, t)
-                    elif kind == ev.DETECT:
-                        self._detect(a, t)
-                    elif kind == ev.PHASE:
-                        self._phase(a, b, t)
-                    elif kind == ev.GIVE_UP and a in self.gw_waiting:
-                        self.gw_waiting.remove(a)
-                        self._fail(a, t)
-                    elif kind == ev.SEED:
-                        self._seed_sends(a, b, t)
-                    elif kind == ev.RESTART:
-                        self._restart_hung(a, b, t)
+                    else:
+                        self._handle(kind, a, b, t)
                 else:
                     break
                 if not events & 4095 and progress is not None:
@@ -282,6 +266,28 @@ class Simulation:
         finally:
             if gc_was_enabled:
                 gc.enable()
+
+    def _handle(self, kind: int, a: Any, b: Any, t: float) -> None:
+        """Every event but an arrival and a decode step (the loop handles those inline)."""
+        if kind == ev.RESTORED:
+            r, inc = b
+            if a.incarnation == inc and r in a.restoring:
+                a.on_restored(r, t)
+        elif kind == ev.TICK:
+            self._tick(t)
+        elif kind == ev.KILL:
+            self._strike(a, t)
+        elif kind == ev.DETECT:
+            self._detect(a, t)
+        elif kind == ev.PHASE:
+            self._phase(a, b, t)
+        elif kind == ev.GIVE_UP and a in self.gw_waiting:
+            self.gw_waiting.remove(a)
+            self._fail(a, t)
+        elif kind == ev.SEED:
+            self._seed_sends(a, b, t)
+        elif kind == ev.RESTART:
+            self._restart_hung(a, b, t)
 
     def _tick(self, now: float) -> None:
         self.samples.append(

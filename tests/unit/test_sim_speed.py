@@ -55,25 +55,8 @@ class HeapArrivals(Simulation):
                     self._wait(r, t)
             elif kind == ev.STEP:
                 a.on_step(t, b)
-            elif kind == ev.RESTORED:
-                r, inc = b
-                if a.incarnation == inc and r in a.restoring:
-                    a.on_restored(r, t)
-            elif kind == ev.TICK:
-                self._tick(t)
-            elif kind == ev.KILL:
-                self._strike(a, t)
-            elif kind == ev.DETECT:
-                self._detect(a, t)
-            elif kind == ev.PHASE:
-                self._phase(a, b, t)
-            elif kind == ev.GIVE_UP and a in self.gw_waiting:
-                self.gw_waiting.remove(a)
-                self._fail(a, t)
-            elif kind == ev.SEED:
-                self._seed_sends(a, b, t)
-            elif kind == ev.RESTART:
-                self._restart_hung(a, b, t)
+            else:
+                self._handle(kind, a, b, t)
         return self._result(events)
 
 
