@@ -52,6 +52,8 @@ class EngineRole:
         # the control sessions with the cluster's other gateways (same engine): after a reset they
         # must say Hello again, with the new incarnation
         self.siblings: list[ControlClient] = []
+        # whose grants (SetAdmission) are this session's: the gateway's address (Agent sets it)
+        self.source = ""
 
     @property
     def worker_id(self) -> str:
@@ -102,6 +104,7 @@ class EngineRole:
             ckpt_pages_evicted_total=c.pages_evicted,
             restores_total=c.restores,
             draft=pb.DraftStats(drafted_tokens=d.drafted, accepted_tokens=d.accepted, rounds=d.rounds),
+            batch_limit=s.max_running_requests,
         )
 
     def command(self, msg: pb.GatewayMessage) -> None:
@@ -126,6 +129,10 @@ class EngineRole:
             log.debug("plane members", worker_id=engine.worker_id, members=len(msg.members.members))
         elif kind == "stop_draft_assist":
             engine.assist.stop_pair(msg.stop_draft_assist.peer_id)
+        elif kind == "set_admission":
+            a = msg.set_admission
+            limit = engine.set_admission(self.source, a.batch_boost, a.lease_s)
+            log.debug("admission", worker_id=engine.worker_id, boost=a.batch_boost, max_running=limit)
         else:
             log.info("unknown command ignored", worker_id=engine.worker_id, command=kind)
 
@@ -155,6 +162,7 @@ class Agent(ControlClient):
         self.engine = engine
         self.http_url = http_url
         self.engine_role = EngineRole(spec, engine, http_url)
+        self.engine_role.source = address if address is not None else spec.control_address
         super().__init__(
             self.engine_role,
             address if address is not None else spec.control_address,

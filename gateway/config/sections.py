@@ -238,8 +238,9 @@ class RecoverySection:
     placement: Placement = _HOLDERS.placement  # load_aware | ring (ablation lumen-fixed-placement)
     always_holder: bool = False  # ablation lumen-always-holder
     draft_assist: bool = True  # ablation lumen-no-draft
-    # issue 17 (gateway.core.outage): resumed requests first in their new worker's queue; survivors'
-    # batch limit x outage_batch_boost while a failure's outage or backlog lasts (simulator only)
+    # issue 17 (gateway.core.outage): resumed requests first in their new worker's queue; in Lumen's
+    # modes, while a failure's outage or backlog lasts, the serving workers' batch limit x what keeps
+    # the cluster's batch slots, at most outage_batch_boost (1: off; Lumen's workers, not SGLang's)
     resumed_first: bool = _OUTAGE.resumed_first
     outage_batch_boost: float = _OUTAGE.batch_boost
     outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size (simulator only)

@@ -41,7 +41,9 @@ class RecoveryPolicy:
 
     `failover` False means an interrupted request ends with an error to its client (what the SGLang
     gateway does); every other field is then irrelevant. `dispatch` is only consulted when
-    `failover` is on; `placement` only when `checkpointing` is on.
+    `failover` is on; `placement` only when `checkpointing` is on. `outage_admission`: the serving
+    workers admit a larger batch while a recovery lasts (core/outage.py `outage_boost`), a Lumen
+    lever the baselines as published do not have.
     """
 
     name: str
@@ -50,6 +52,7 @@ class RecoveryPolicy:
     placement: Placement
     dispatch: DispatchRule
     draft_assist: bool
+    outage_admission: bool = False
 
     def __post_init__(self) -> None:
         check(
@@ -77,18 +80,36 @@ def _mode(
     placement: Placement = Placement.LOAD_AWARE,
     dispatch: DispatchRule = DispatchRule.THRESHOLD,
     draft_assist: bool = True,
+    outage_admission: bool = True,
 ) -> RecoveryPolicy:
-    return RecoveryPolicy(name, failover, checkpointing, placement, dispatch, draft_assist)
+    return RecoveryPolicy(name, failover, checkpointing, placement, dispatch, draft_assist, outage_admission)
 
 
 _ALL = (
     # the client sees the failure (SGLang model gateway)
-    _mode("none", failover=False, checkpointing=False, dispatch=DispatchRule.REPLAY, draft_assist=False),
+    _mode(
+        "none",
+        failover=False,
+        checkpointing=False,
+        dispatch=DispatchRule.REPLAY,
+        draft_assist=False,
+        outage_admission=False,
+    ),
     # replay prompt + emitted ids on the least-loaded survivor (Dynamo's migration)
-    _mode("stop_restart", checkpointing=False, dispatch=DispatchRule.REPLAY, draft_assist=False),
+    _mode(
+        "stop_restart",
+        checkpointing=False,
+        dispatch=DispatchRule.REPLAY,
+        draft_assist=False,
+        outage_admission=False,
+    ),
     # DéjàVu: the holder is the next worker by id and a request always resumes there
     _mode(
-        "fixed_checkpoint", placement=Placement.RING, dispatch=DispatchRule.ALWAYS_HOLDER, draft_assist=False
+        "fixed_checkpoint",
+        placement=Placement.RING,
+        dispatch=DispatchRule.ALWAYS_HOLDER,
+        draft_assist=False,
+        outage_admission=False,
     ),
     # all three mechanisms, the paper's threshold rule
     _mode("lumen"),

@@ -5,17 +5,21 @@ resumed from the failed worker (whose clients are mid-stream, frozen) and new ar
 
 - `resumed_first`: a resumed request goes to the front of its new worker's queue (it has already
   waited once and its client sees a stalled stream); new arrivals keep FIFO order among themselves.
-- `batch_boost`: while a failure's outage or the backlog it left lasts, a survivor admits up to
-  `batch_boost` x its normal batch limit (KV permitting): decode is weight-streaming bound, so a
-  larger batch raises throughput at a small cost in time per token, and drains the backlog sooner.
-  1 (the default) is off.
+- `batch_boost`: while a failure's outage or the backlog it left lasts, every serving worker admits a
+  larger batch (KV permitting): decode is weight-streaming bound, so a larger batch raises throughput
+  at a small cost in time per token, and drains the backlog sooner. The factor keeps the cluster's
+  batch slots: workers / (workers - down), `down` the most workers out at once during this recovery,
+  at most `batch_boost` (a cap; 1 is off). Only the modes whose `RecoveryPolicy.outage_admission` is
+  on use it (Lumen's, not the baselines).
 - `shortest_first`: while a failure's outage or backlog lasts, a survivor's queue is ordered by the
   tokens each request has to prefill, fewest first (after the resumed ones): when prefill is the
   bottleneck (long prompts, short outputs) this lowers the mean TTFT, at the tail's expense.
 
-Both are pure and shared by the simulator and the live engine (`worker_hooks/engine/scheduler.py`
-takes the queue order; the batch boost is simulator-only for now: SGLang's batch limit is a launch
-argument).
+All are pure and shared by the simulator and the live gateway: Lumen's engine takes the queue order
+(`worker_hooks/engine/scheduler.py`), and the live gateway's `OutageAdmission`
+(gateway/server/recovery/outage.py) sends the boost to Lumen's workers as a lease (`SetAdmission`,
+renewed while the recovery lasts, so a gateway that dies leaves no worker boosted). An SGLang server's
+batch limit is a launch argument that 0.5.23 cannot change at run time: SGLang workers are not boosted.
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ from dataclasses import dataclass
 
 from gateway.core.types import check
 
+# how long a worker keeps a boosted batch limit unless the gateway renews it (the live gateway renews
+# every third of it while the recovery lasts)
+BOOST_LEASE_S = 3.0
+
 
 @dataclass(frozen=True, slots=True)
 class OutageParams:
     resumed_first: bool = True
-    batch_boost: float = 1.0
+    batch_boost: float = 1.5  # the cap of the survivors' batch-limit factor (1: no boost)
     shortest_first: bool = False
 
     def __post_init__(self) -> None:
@@ -37,12 +45,19 @@ class OutageParams:
         check(ok, "batch_boost", self.batch_boost, "must be a finite number >= 1")
 
 
-def admission_limit(base: int, params: OutageParams, recovering: bool) -> int:
-    """A worker's batch limit: `base`, or `base × batch_boost` (rounded down, at least `base`) while
-    the cluster recovers from a failure (its outage, then until the backlog it left has drained)."""
-    if not recovering or params.batch_boost <= 1:
-        return base
-    return max(base, math.floor(base * params.batch_boost))
+def outage_boost(params: OutageParams, recovering: bool, workers: int, down: int) -> float:
+    """The serving workers' batch-limit factor: while the cluster recovers from a failure (its outage,
+    then until the backlog it left has drained), what keeps the cluster's batch slots with `down` of
+    its `workers` out (the most at once during this recovery), at most `batch_boost`; else 1."""
+    if not recovering or down <= 0 or params.batch_boost <= 1:
+        return 1.0
+    return min(params.batch_boost, workers / max(1, workers - down))
+
+
+def admission_limit(base: int, boost: float) -> int:
+    """A worker's batch limit under the factor `boost` (`outage_boost`): `base × boost` rounded down,
+    never below `base`."""
+    return base if boost <= 1 else max(base, math.floor(base * boost))
 
 
 def backlog_drained(waiting: int, serving_workers: int, all_serving: bool) -> bool:

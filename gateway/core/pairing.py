@@ -28,6 +28,7 @@ of `drafters`, or of `current`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Collection, Mapping
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.core.health import SERVING_STATES, WorkerState
 from gateway.core.load import estimated_load
+from gateway.core.loadshape import LoadShape
 from gateway.core.speculation import AssistGate, assist_pays, load_pays, view_gain
 from gateway.core.types import ClusterView, LoadParams, WorkerId, check
 
@@ -69,6 +71,30 @@ def draft_targets(
         out = [(load, wid) for load, wid in out if assist_pays(gate, view.workers[wid])]
     out.sort(key=lambda t: (-t[0], t[1]))
     return out
+
+
+def with_batch_limit(params: PairingParams, limit: int) -> PairingParams:
+    """`params` with its gate judging targets at batch limit `limit`: the one in force while an
+    outage boost lasts (core/outage.py), so that a restart's draft-first choice and the pairing
+    after it judge the batch the survivors actually run."""
+    gate = params.gate
+    if gate is None or gate.nominal_batch in (0, limit):  # 0: the gate counts any queue as waiting
+        return params
+    return dataclasses.replace(params, gate=dataclasses.replace(gate, nominal_batch=limit))
+
+
+def with_load_shape(params: PairingParams, shape: LoadShape, tolerance: float = 0.05) -> PairingParams:
+    """`params` with its gate judging the load's shape as measured (`loadshape.LoadShape`); the same
+    object while both means are within `tolerance` of the gate's (decisions do not churn on noise)."""
+    gate = params.gate
+    if gate is None or gate.prompt_tokens == 0 or not shape.ready:  # 0: leaves prefill out on purpose
+        return params
+    p, o = shape.prompt_tokens, shape.output_tokens
+    if abs(p - gate.prompt_tokens) <= tolerance * max(1.0, gate.prompt_tokens) and abs(
+        o - gate.output_tokens
+    ) <= tolerance * max(1.0, gate.output_tokens):
+        return params
+    return dataclasses.replace(params, gate=dataclasses.replace(gate, prompt_tokens=p, output_tokens=o))
 
 
 def draft_first_pays(view: ClusterView, params: PairingParams, exclude: Collection[WorkerId] = ()) -> bool:

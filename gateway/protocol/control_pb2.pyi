@@ -85,7 +85,7 @@ class DraftStats(_message.Message):
     def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total", "ckpt_bytes_sent_total", "ckpt_pages_evicted_total", "restores_total", "reload_seconds", "reload_source", "reload_seed", "awaiting_seed", "pid")
+    __slots__ = ("seq", "phase", "running", "waiting", "kv_tokens_used", "ckpt_bytes_used", "ckpt_tokens_held", "durable", "abandoned_checkpoints", "draft", "restored_tokens_total", "completed_total", "ckpt_bytes_sent_total", "ckpt_pages_evicted_total", "restores_total", "reload_seconds", "reload_source", "reload_seed", "awaiting_seed", "pid", "batch_limit")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Heartbeat(_message.Message):
     RELOAD_SEED_FIELD_NUMBER: _ClassVar[int]
     AWAITING_SEED_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_LIMIT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     phase: Phase
     running: int
@@ -126,7 +127,8 @@ class Heartbeat(_message.Message):
     reload_seed: str
     awaiting_seed: bool
     pid: int
-    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ..., ckpt_bytes_sent_total: _Optional[int] = ..., ckpt_pages_evicted_total: _Optional[int] = ..., restores_total: _Optional[int] = ..., reload_seconds: _Optional[float] = ..., reload_source: _Optional[str] = ..., reload_seed: _Optional[str] = ..., awaiting_seed: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...
+    batch_limit: int
+    def __init__(self, seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., ckpt_bytes_used: _Optional[int] = ..., ckpt_tokens_held: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableTokens, _Mapping]]] = ..., abandoned_checkpoints: _Optional[_Iterable[str]] = ..., draft: _Optional[_Union[DraftStats, _Mapping]] = ..., restored_tokens_total: _Optional[int] = ..., completed_total: _Optional[int] = ..., ckpt_bytes_sent_total: _Optional[int] = ..., ckpt_pages_evicted_total: _Optional[int] = ..., restores_total: _Optional[int] = ..., reload_seconds: _Optional[float] = ..., reload_source: _Optional[str] = ..., reload_seed: _Optional[str] = ..., awaiting_seed: _Optional[bool] = ..., pid: _Optional[int] = ..., batch_limit: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "heartbeat")
@@ -231,7 +233,7 @@ class Members(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PlaneMember, _Mapping]]] = ..., gateway_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
-    __slots__ = ("incarnation", "welcome", "refuse", "assign_holder", "drop_checkpoint", "start_draft_assist", "stop_draft_assist", "drain", "reload_from", "members")
+    __slots__ = ("incarnation", "welcome", "refuse", "assign_holder", "drop_checkpoint", "start_draft_assist", "stop_draft_assist", "drain", "reload_from", "members", "set_admission")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     REFUSE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +244,7 @@ class GatewayMessage(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     RELOAD_FROM_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SET_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     welcome: Welcome
     refuse: Refuse
@@ -252,4 +255,13 @@ class GatewayMessage(_message.Message):
     drain: Drain
     reload_from: ReloadFrom
     members: Members
-    def __init__(self, incarnation: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., assign_holder: _Optional[_Union[AssignHolder, _Mapping]] = ..., drop_checkpoint: _Optional[_Union[DropCheckpoint, _Mapping]] = ..., start_draft_assist: _Optional[_Union[StartDraftAssist, _Mapping]] = ..., stop_draft_assist: _Optional[_Union[StopDraftAssist, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., reload_from: _Optional[_Union[ReloadFrom, _Mapping]] = ..., members: _Optional[_Union[Members, _Mapping]] = ...) -> None: ...
+    set_admission: SetAdmission
+    def __init__(self, incarnation: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., assign_holder: _Optional[_Union[AssignHolder, _Mapping]] = ..., drop_checkpoint: _Optional[_Union[DropCheckpoint, _Mapping]] = ..., start_draft_assist: _Optional[_Union[StartDraftAssist, _Mapping]] = ..., stop_draft_assist: _Optional[_Union[StopDraftAssist, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., reload_from: _Optional[_Union[ReloadFrom, _Mapping]] = ..., members: _Optional[_Union[Members, _Mapping]] = ..., set_admission: _Optional[_Union[SetAdmission, _Mapping]] = ...) -> None: ...
+
+class SetAdmission(_message.Message):
+    __slots__ = ("batch_boost", "lease_s")
+    BATCH_BOOST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    batch_boost: float
+    lease_s: float
+    def __init__(self, batch_boost: _Optional[float] = ..., lease_s: _Optional[float] = ...) -> None: ...

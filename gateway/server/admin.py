@@ -86,6 +86,7 @@ class AdminAPI:
                     "pid": w.pid,
                     "running": w.running,
                     "waiting": w.waiting,
+                    "batch_limit": w.batch_limit or w.max_running_requests,
                     "inflight": w.inflight,
                     "kv_tokens_used": w.kv_tokens_used,
                     "kv_capacity_tokens": w.kv_capacity_tokens,

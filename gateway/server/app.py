@@ -18,7 +18,8 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.pairing import PairingParams
+from gateway.core.outage import OutageParams, admission_limit
+from gateway.core.pairing import PairingParams, with_batch_limit
 from gateway.core.router import routing_params
 from gateway.core.speculation import AssistGate
 from gateway.core.types import LoadParams
@@ -34,6 +35,7 @@ from gateway.server.checkpoints import CheckpointManager
 from gateway.server.control_secret import publish_token, tls_credentials, with_control_token
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
+from gateway.server.recovery.outage import OutageAdmission
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.recovery.reload import ReloadCoordinator
@@ -122,6 +124,15 @@ class Gateway:
                 view=self.checkpoints.view if self.checkpoints is not None else self.monitor.view,
                 metrics=self.metrics,
             )
+        # Lumen's modes: a larger batch on the serving workers while a recovery lasts (core/outage.py)
+        self.outage: OutageAdmission | None = None
+        outage = OutageParams(r.resumed_first, r.outage_batch_boost, r.outage_shortest_first)
+        if self.policy.outage_admission and outage.batch_boost > 1:
+            self.outage = OutageAdmission(
+                monitor=self.monitor, control=self.control, params=outage, clock=time.monotonic
+            )
+            self.control.heartbeat_hooks.append(lambda _rec, _beat: self._outage_tick())
+            self.monitor.on_state_change.append(lambda _ev: self._outage_tick())
         self.sglang: SGLangPoller | None = None
         # draft assist on SGLang targets: the gateway verifies the drafts itself
         self.verifier: GatewayVerifier | None = None
@@ -197,6 +208,10 @@ class Gateway:
             route_params=routing_params(self.load_params, self.config.load.route_by_checkpoint_load),
             verifier=self.verifier,
         )
+        if self.outage is not None:
+            self.sessions.dispatcher.resume_hooks.append(self.outage.on_resume)
+        if self.assist is not None:  # one estimate of the load's shape: the sessions feed it
+            self.assist.shape = self.sessions.load_shape
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         sg = self.config.sglang
         if sg.workers:  # agentless SGLang servers: the gateway attaches and polls them itself
@@ -330,6 +345,14 @@ class Gateway:
         return sglang_rid(wrid) if w is not None and w.engine is EngineKind.SGLANG else wrid
 
     # -- events -------------------------------------------------------------------------------
+    def _outage_tick(self) -> None:
+        if self.outage is not None:
+            self.outage.tick()
+            self.metrics.outage_boost.set(self.outage.boost)
+            if self.assist is not None:  # the gate judges the batch the survivors run now
+                limit = admission_limit(self.config.engine.max_running_requests, self.outage.boost)
+                self.assist.params = with_batch_limit(self.assist.params, limit)
+
     def _on_state_change(self, ev: StateEvent) -> None:
         if ev.dst is WorkerState.FAILED:
             self.metrics.worker_failures.labels(reason=ev.reason.split(":")[0][:40]).inc()

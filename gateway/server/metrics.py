@@ -88,6 +88,11 @@ class GatewayMetrics:
             registry=r,
         )
         self.assist_pairs = Gauge("lumen_draft_assist_pairs", "Drafter-target pairs in force", registry=r)
+        self.outage_boost = Gauge(
+            "lumen_outage_batch_boost",
+            "Batch-limit factor granted to the serving workers while a recovery lasts (1: none)",
+            registry=r,
+        )
         self.assist_changes = Counter(
             "lumen_draft_assist_changes", "Draft-assist pairs started and stopped", ["change"], registry=r
         )

@@ -31,6 +31,7 @@ from gateway.config import RecoverySection
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
 from gateway.core.health import ALIVE_STATES
+from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
@@ -107,6 +108,8 @@ class SessionManager:
         self._aborts = Aborts(http)  # /abort_request calls in flight
         # recently finished sessions with interruptions, for /admin/sessions and the demo
         self.recent_interrupted: deque[Session] = deque(maxlen=2000)
+        # the load's shape as completed requests show it (the draft-assist gate judges it)
+        self.load_shape = LoadShape()
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
         if len(self.live) >= self.max_concurrent:
@@ -125,6 +128,8 @@ class SessionManager:
                 self.checkpoints.release_session(job.rid)
             if session.interruptions:
                 self.recent_interrupted.append(session)
+            if session.finish_reason is not None:
+                self.load_shape.observe(len(job.prompt_ids), len(session.emitted))
 
     # -- the failover loop ----------------------------------------------------------------------
     async def _run(self, s: Session) -> AsyncIterator[TokenDelta]:

@@ -22,9 +22,16 @@ from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import Decision, DispatchParams, InterruptedRequest, dispatch
 from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
+from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.outage import OutageParams, admission_limit, backlog_drained, queue_rank
-from gateway.core.pairing import PairingParams, draft_first_pays, pair_drafters
+from gateway.core.outage import OutageParams, admission_limit, backlog_drained, outage_boost, queue_rank
+from gateway.core.pairing import (
+    PairingParams,
+    draft_first_pays,
+    pair_drafters,
+    with_batch_limit,
+    with_load_shape,
+)
 from gateway.core.reload import choose_seed
 from gateway.core.router import choose_worker, routing_params
 from gateway.core.speculation import (
@@ -78,6 +85,9 @@ class Coordinator:
         # survivors' admission while a failure's outage or backlog lasts (gateway.core.outage)
         self.outage = outage or OutageParams()
         self.recovering = False
+        self.down_peak = 0  # the most workers out at once during the current recovery
+        # the load's shape as completed requests show it: the draft-assist gate judges it
+        self.shape = LoadShape()
         self.base_running = workers[0].max_running if workers else 0
         self.refresh_all()
 
@@ -279,12 +289,25 @@ class Coordinator:
 
     def _set_recovering(self, on: bool, now: float) -> None:
         self.recovering = on
+        self.down_peak = 0
         if self.outage.shortest_first:  # rank queues by prefill size while recovering, FIFO after
             rank = self._rank if on else fifo_rank
             for w in self.workers:
                 w.rank_of = rank
                 w.waiting = deque(sorted(w.waiting, key=rank))
-        limit = admission_limit(self.base_running, self.outage, on)
+        self._admit(now)
+
+    def _admit(self, now: float) -> None:
+        """Every worker's batch limit for the recovery as it stands (`outage_boost`): the live
+        gateway's OutageAdmission sends the same factor to Lumen's workers."""
+        if self.recovering and self.policy.outage_admission:
+            down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY or not w.alive)
+            self.down_peak = max(self.down_peak, down)
+        boost = outage_boost(
+            self.outage, self.recovering and self.policy.outage_admission, len(self.workers), self.down_peak
+        )
+        limit = admission_limit(self.base_running, boost)
+        self.pairing_params = with_batch_limit(self.pairing_params, limit)
         for w in self.workers:
             if w.max_running != limit:
                 w.max_running = limit
@@ -292,19 +315,23 @@ class Coordinator:
                     w.kick(now)
 
     def check_backlog(self, now: float) -> None:
-        """End the recovery once every worker serves and the queues hold no backlog."""
+        """End the recovery once every worker serves and the queues hold no backlog; while it lasts,
+        raise the batch limit if more workers are out than before."""
         if not self.recovering:
             return
         serving = [w for w in self.workers if w.state is WorkerState.HEALTHY and w.alive]
         waiting = sum(len(w.waiting) for w in serving)
         if backlog_drained(waiting, len(serving), len(serving) == len(self.workers)):
             self._set_recovering(False, now)
+        elif len(self.workers) - len(serving) > self.down_peak and self.policy.outage_admission:
+            self._admit(now)
 
     # -- draft assist (Algorithm 3) ---------------------------------------------------------------
     def assist_wanted(self) -> bool:
         """Whether a restart should load its draft model first (`pairing.draft_first_pays`): some
         survivor would be drafted for now and drafting for it makes up for the full model's later
         start (the gate's `load_delay_s` over its `assist_window_s`); no gate: yes."""
+        self.pairing_params = with_load_shape(self.pairing_params, self.shape)
         return draft_first_pays(self.view(), self.pairing_params)
 
     def repair(self, now: float) -> None:
@@ -312,6 +339,7 @@ class Coordinator:
         drafters = [w.id for w in self.workers if w.state is WorkerState.DRAFT_READY]
         if not drafters and not self.pairs:
             return
+        self.pairing_params = with_load_shape(self.pairing_params, self.shape)
         new = pair_drafters(self.view(), drafters, self.pairs, self.pairing_params)
         before, after = set(self.pairs.values()), set(new.values())
         self.pairs = new

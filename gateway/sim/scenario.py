@@ -119,8 +119,9 @@ class RecoverySpec:
     # step-time factor on a seed while it sends (0: the cost model's `seed_slowdown`, ~1.016 on H100)
     seed_slowdown: float = 0.0
     # issue 17 levers (gateway.core.outage; the live gateway's recovery section): resumed requests go
-    # first in their new worker's queue; survivors admit up to this x their batch while a failure's
-    # outage or its backlog lasts (1: off)
+    # first in their new worker's queue; in Lumen's modes, while a failure's outage or its backlog
+    # lasts, the serving workers admit workers/(workers - down) x their batch, at most
+    # outage_batch_boost (1: off)
     resumed_first: bool = _OUTAGE.resumed_first
     # stream prompt pages as each prefill chunk writes them (gateway.core.holders.HolderParams)
     stream_prefill: bool = _HOLDERS.stream_prefill

@@ -347,6 +347,7 @@ class Simulation:
     def on_finished(self, r: SimRequest, now: float) -> None:
         r.done = True
         r.last_token = now
+        self.coord.shape.observe(r.prompt, r.output)
         self.coord.release(r)
         self.open -= 1
 

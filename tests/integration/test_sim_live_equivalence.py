@@ -48,7 +48,10 @@ SCENARIO: dict[str, Any] = {
     "workload": {"source": "synthetic", "rate": 30.0, "duration_s": 40.0},
     # a server dies (its requests resume, its checkpoints are re-homed); later two more at once
     "failures": [{"at_s": 10.0, "workers": ["w0"]}, {"at_s": 24.0, "workers": ["w1", "w3"]}],
-    "recovery": {"tau": 256, "theta": 1.0},
+    # the outage batch boost off: the live side of it (OutageAdmission, fed by the control plane's
+    # heartbeat hooks) is not part of this replay; tests/integration/test_outage_admission.py and
+    # tests/e2e/test_outage_boost.py cover it
+    "recovery": {"tau": 256, "theta": 1.0, "outage_batch_boost": 1.0},
     # drafts accepted often enough, and a full reload (16 s) long enough, that loading the draft first
     # pays here (at the default 0.7, or an 8 s reload, the cost gate rightly loads the full model
     # directly on this conv load: docs/design.md 4.5)

@@ -4,20 +4,47 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.core.outage import OutageParams, admission_limit, backlog_drained, queue_first, queue_rank
+from gateway.core.outage import (
+    OutageParams,
+    admission_limit,
+    backlog_drained,
+    outage_boost,
+    queue_first,
+    queue_rank,
+)
 from gateway.core.types import ParamError
 
 
-@given(st.integers(1, 512), st.floats(1.0, 8.0), st.booleans())
-def test_the_limit_is_the_base_unless_recovering_and_never_below_it(
-    base: int, boost: float, recovering: bool
+@given(st.integers(1, 512), st.floats(1.0, 8.0))
+def test_the_limit_is_the_base_times_the_boost_rounded_down_and_never_below_it(
+    base: int, boost: float
 ) -> None:
-    limit = admission_limit(base, OutageParams(batch_boost=boost), recovering)
+    limit = admission_limit(base, boost)
     assert limit >= base
-    if not recovering or boost == 1.0:
+    assert limit == max(base, int(base * boost))
+    if boost == 1.0:
         assert limit == base
-    else:
-        assert limit == max(base, int(base * boost))
+
+
+@given(st.floats(1.0, 4.0), st.booleans(), st.integers(1, 64), st.integers(0, 64))
+def test_the_boost_keeps_the_clusters_batch_slots_up_to_the_cap_and_only_while_recovering(
+    cap: float, recovering: bool, workers: int, down: int
+) -> None:
+    down = min(down, workers)
+    boost = outage_boost(OutageParams(batch_boost=cap), recovering, workers, down)
+    assert 1.0 <= boost <= cap
+    if not recovering or down == 0:
+        assert boost == 1.0
+    elif down < workers:
+        # the serving workers together keep (up to the cap) the slots of the whole cluster
+        assert boost == min(cap, workers / (workers - down))
+
+
+def test_one_of_four_workers_out_gives_a_third_more_slots_and_one_of_two_the_cap() -> None:
+    p = OutageParams(batch_boost=1.5)
+    assert admission_limit(64, outage_boost(p, True, 4, 1)) == 85
+    assert admission_limit(64, outage_boost(p, True, 2, 1)) == 96
+    assert admission_limit(64, outage_boost(OutageParams(batch_boost=1.0), True, 2, 1)) == 64
 
 
 @given(st.integers(0, 10), st.booleans())

@@ -19,15 +19,16 @@ TARGET = CostModel.preset("Qwen3-32B", "H100-80G")
 DRAFTER = CostModel.preset("Qwen3-1.7B", "H100-80G")
 
 
-def overloaded_run(draft: dict[str, Any]) -> RunResult:
+def overloaded_run(draft: dict[str, Any], boost: float = 1.0) -> RunResult:
     # 400 conversation-sized requests at once on 2 workers; w0 dies at 0.5 s, so w1 alone holds a
-    # full batch and a queue through the whole reload
+    # full batch and a queue through the whole reload (without the outage batch boost unless asked)
     s = parse_scenario(
         {
             "cluster": {"workers": 2},
             "workload": {"rate": 1.0},
             "failures": [{"at_s": 0.5, "workers": ["w0"]}],
             "draft": draft,
+            "recovery": {"outage_batch_boost": boost},
         }
     )
     n = 400
@@ -63,3 +64,13 @@ def test_drafting_that_pays_for_the_delay_loads_the_draft_first_and_pairs() -> N
     # the paper's ungated progressive recovery always loads the draft first
     (ungated,) = overloaded_run({"assist_gate": False}).stats.reloads
     assert ungated.draft_first
+
+
+def test_under_the_outage_boost_the_draft_first_choice_judges_the_boosted_batch() -> None:
+    # with the boost (w1 alone: 1.5 x 64 = 96 slots) drafting gains less than on 64: the restart's
+    # choice judges the batch the survivor runs once boosted, as the pairing after it does, so it
+    # does not load a draft that would then never be paired
+    res = overloaded_run({"agreement": 0.8}, boost=1.5)
+    (rl,) = res.stats.reloads
+    assert not rl.draft_first and res.stats.pairings == 0
+    assert rl.reload_s == pytest.approx(TARGET.load_time())

@@ -189,10 +189,9 @@ def test_the_outage_batch_boost_lets_the_survivor_run_a_larger_batch_until_the_b
         "failures": [{"at_s": 0.5, "workers": ["w0"]}],
         "recovery": {"no_worker_wait_s": 600.0},
     }
-    plain = run("lumen", reqs, **fail)
-    boosted = run(
-        "lumen", reqs, **{**fail, "recovery": {"outage_batch_boost": 2.0, "no_worker_wait_s": 600.0}}
-    )
+    off = {**fail, "recovery": {"outage_batch_boost": 1.0, "no_worker_wait_s": 600.0}}
+    on = {**fail, "recovery": {"outage_batch_boost": 2.0, "no_worker_wait_s": 600.0}}
+    plain, boosted = run("lumen", reqs, **off), run("lumen", reqs, **on)
     assert not any(r.error for r in plain.records + boosted.records)
 
     def mean_ttft(res: RunResult) -> float:
@@ -200,6 +199,11 @@ def test_the_outage_batch_boost_lets_the_survivor_run_a_larger_batch_until_the_b
 
     # a larger batch admits the queued requests earlier
     assert mean_ttft(boosted) < mean_ttft(plain)
+    # a baseline as published has no such lever: the setting does not change it
+    for mode in ("stop_restart", "fixed_checkpoint"):
+        assert [r.first_token for r in run(mode, reqs, **off).records] == [
+            r.first_token for r in run(mode, reqs, **on).records
+        ]
 
 
 def test_shortest_prefill_first_orders_a_survivors_queue_only_while_recovering() -> None:

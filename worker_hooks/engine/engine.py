@@ -32,6 +32,7 @@ from gateway.protocol.planes import PlaneAuth
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
 from models.synthetic import SyntheticModel
 from worker_hooks.engine import errors
+from worker_hooks.engine.admission import AdmissionLeases
 from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.draft_assist import Assist
 from worker_hooks.engine.handle import RequestHandle
@@ -126,6 +127,9 @@ class Engine:
             on_step=self._after_step,
             on_failure=self._step_failed,
         )
+        # the batch limit while the cluster recovers: the gateways' leases of a larger one (admission.py)
+        self.admission = AdmissionLeases(spec.max_running_requests)
+        self._admission_timer: asyncio.TimerHandle | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self.requests_total = 0
@@ -212,6 +216,31 @@ class Engine:
         """Stop taking new requests; those in flight finish."""
         self.phase = Phase.DRAINING
 
+    def set_admission(self, source: str, boost: float, lease_s: float) -> int:
+        """A gateway's lease of a larger batch while the cluster recovers (`SetAdmission`); the batch
+        limit now."""
+        self.admission.grant(source, boost, lease_s)
+        return self._apply_admission()
+
+    def _apply_admission(self) -> int:
+        """Set the scheduler's batch limit to what the live leases allow, and look again when the
+        earliest of them ends. A lower limit preempts nothing: it admits less until the batch shrinks."""
+        limit = self.admission.limit()
+        old = self.scheduler.max_running
+        if limit != old:
+            self.scheduler.max_running = limit
+            log.info("batch limit", worker_id=self.worker_id, max_running=limit, was=old)
+            if limit > old:
+                self.steps.wake()
+        if self._admission_timer is not None:
+            self._admission_timer.cancel()
+            self._admission_timer = None
+        until = self.admission.next_expiry()
+        if until is not None:
+            delay = max(0.0, until - self.admission.clock())
+            self._admission_timer = asyncio.get_running_loop().call_later(delay, self._apply_admission)
+        return limit
+
     def reset_incarnation(self) -> int:
         """Become a new incarnation: nobody trusts our in-flight requests any more (DESIGN 4.3)."""
         old = self.incarnation
@@ -220,6 +249,8 @@ class Engine:
         self.incarnation = max(now_us(), old + 1)
         self.ckpt.reset(self.incarnation)
         self.assist.reset()  # the gateway drops every pair of the old incarnation without telling us
+        self.admission.clear()  # grants were to the old incarnation
+        self._apply_admission()
         log.info("incarnation reset", worker_id=self.worker_id, old=old, new=self.incarnation, aborted=n)
         return self.incarnation
 

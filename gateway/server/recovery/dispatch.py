@@ -50,6 +50,8 @@ class RecoveryDispatcher:
         self.checkpoints = checkpoints
         self.cost = cost
         self.clock = clock
+        # called as each interrupted request is about to resume (the outage admission listens)
+        self.resume_hooks: list[Callable[[], None]] = []
 
     async def pick(
         self, resume: Resume | None, excluded: set[str], emitted: int
@@ -59,6 +61,9 @@ class RecoveryDispatcher:
         Waits up to `no_worker_wait_s` for a HEALTHY worker; `excluded` (stalled or refusing workers)
         is cleared when nothing else is left. Raises NoWorkerAvailable.
         """
+        if resume is not None:
+            for hook in self.resume_hooks:
+                hook()
         deadline = self.clock() + self.no_worker_wait_s
         while True:
             view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()

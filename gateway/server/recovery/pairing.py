@@ -18,7 +18,8 @@ from typing import NamedTuple
 import structlog
 
 from gateway.core.health import WorkerState
-from gateway.core.pairing import PairingParams, pair_drafters
+from gateway.core.loadshape import LoadShape
+from gateway.core.pairing import PairingParams, pair_drafters, with_load_shape
 from gateway.core.types import ClusterView
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.planes import CurveKeypair
@@ -67,10 +68,14 @@ class DraftCoordinator:
         self.metrics = metrics
         self.pairs: dict[str, str] = {}
         self.events: deque[PairEvent] = deque(maxlen=1000)
+        # the load's shape as completed requests show it (the gateway's sessions feed it)
+        self.shape = LoadShape()
 
     def reconcile(self) -> None:
         """Apply Algorithm 3 to the current view; send Start/Stop for every pair that changed."""
         drafters = [w.id for w in self.monitor.workers.values() if w.state is WorkerState.DRAFT_READY]
+        if drafters or self.pairs:
+            self.params = with_load_shape(self.params, self.shape)
         new = pair_drafters(self._view(), drafters, self.pairs, self.params) if drafters or self.pairs else {}
         for d, t in self.pairs.items():
             if new.get(d) != t:

@@ -182,6 +182,7 @@ class LoadMonitor:
         rec.heartbeats += 1
         if hb.pid:  # an agent's server relaunched after the session's Hello
             rec.pid = hb.pid
+        rec.batch_limit = hb.batch_limit or rec.max_running_requests
         rec.running = hb.running
         rec.waiting = hb.waiting
         rec.kv_tokens_used = hb.kv_tokens_used

@@ -88,6 +88,8 @@ class WorkerRecord:
     # SGLang server's heartbeats are the gateway's own polls of its /v1/loads
     heartbeat_interval_s: float | None = None
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    # the batch limit the worker reports in force (an outage grant may raise it); 0: none reported
+    batch_limit: int = 0
     phase: Phase = Phase.SERVING
     last_heartbeat: float = 0.0
     heartbeats: int = 0

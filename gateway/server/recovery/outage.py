@@ -1,0 +1,96 @@
+"""The live shell of the outage batch boost (gateway/core/outage.py, issue 17).
+
+From the first recovery dispatch (an interrupted request resumed elsewhere) until every worker serves
+again and the queues hold no backlog (`backlog_drained`), every serving Lumen worker may admit a
+larger batch: `outage_boost` of the most workers out at once during this recovery, the factor the
+simulator's coordinator applies. The factor goes to each worker as a lease (`SetAdmission`) renewed
+every third of `BOOST_LEASE_S` while the recovery lasts, and withdrawn (boost 1) when it ends; a
+gateway that dies leaves no worker boosted for longer than a lease. SGLang servers are left alone:
+their batch limit is a launch argument (`--max-running-requests`) that SGLang 0.5.23 cannot change at
+run time (its /set_internal_state takes pp_max_micro_batch_size and speculative thresholds only).
+
+Driven by events, not a timer of its own: `on_resume` from the recovery dispatcher, and `tick` after
+every heartbeat and worker state change, so the renewals ride on the heartbeat cadence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from gateway.core.health import WorkerState
+from gateway.core.outage import BOOST_LEASE_S, OutageParams, backlog_drained, outage_boost
+from gateway.protocol import control_pb2 as pb
+from gateway.protocol.generate import EngineKind
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
+
+log = structlog.get_logger("lumen.outage")
+
+_LEFT = frozenset({WorkerState.DRAINING, WorkerState.REMOVED})
+
+
+class OutageAdmission:
+    def __init__(
+        self,
+        *,
+        monitor: LoadMonitor,
+        control: ControlService,
+        params: OutageParams,
+        clock: Callable[[], float],
+        lease_s: float = BOOST_LEASE_S,
+    ) -> None:
+        self.monitor = monitor
+        self.control = control
+        self.params = params
+        self.clock = clock
+        self.lease_s = lease_s
+        self.recovering = False
+        self.down_peak = 0  # the most workers out at once during this recovery
+        self.boost = 1.0  # the factor granted now
+        # worker id -> (incarnation, boost, when) of the last grant sent to it
+        self._sent: dict[str, tuple[int, float, float]] = {}
+        self.recoveries = 0
+
+    def on_resume(self) -> None:
+        """An interrupted request is being resumed: the cluster recovers from a failure."""
+        if not self.recovering:
+            self.recovering = True
+            self.recoveries += 1
+            self.down_peak = 0
+            log.info("recovery started: outage admission on")
+        self.tick()
+
+    def tick(self) -> None:
+        """Re-judge the recovery (over once no worker is out and no backlog is left) and grant or
+        renew the factor for it to every serving Lumen worker."""
+        if not self.recovering:
+            return
+        # a worker drained or removed by its operator is not a failure
+        workers = [w for w in self.monitor.workers.values() if w.state not in _LEFT]
+        serving = [w for w in workers if w.state is WorkerState.HEALTHY]
+        if backlog_drained(sum(w.waiting for w in serving), len(serving), len(serving) == len(workers)):
+            self.recovering = False
+            log.info("recovery over: outage admission off", down_peak=self.down_peak)
+        else:
+            self.down_peak = max(self.down_peak, len(workers) - len(serving))
+        self.boost = outage_boost(self.params, self.recovering, len(workers), self.down_peak)
+        self._grant(serving)
+
+    def _grant(self, serving: list[WorkerRecord]) -> None:
+        now = self.clock()
+        renew_after = self.lease_s / 3
+        for w in serving:
+            if w.engine is not EngineKind.LUMEN:
+                continue
+            last = self._sent.get(w.id)
+            if self.boost <= 1 and (last is None or last[1] <= 1 or last[0] != w.incarnation):
+                continue  # nothing granted to this incarnation: nothing to withdraw
+            if last is not None and last[:2] == (w.incarnation, self.boost) and now - last[2] < renew_after:
+                continue
+            msg = pb.GatewayMessage(
+                set_admission=pb.SetAdmission(batch_boost=self.boost, lease_s=self.lease_s)
+            )
+            if self.control.send(w.id, msg):
+                self._sent[w.id] = (w.incarnation, self.boost, now)

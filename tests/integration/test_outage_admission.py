@@ -1,0 +1,102 @@
+"""The live outage batch boost (gateway/server/recovery/outage.py) with the real monitor and control
+service (no sockets): the grants it sends while a recovery lasts, their renewal, and their end."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.core.outage import OutageParams
+from gateway.protocol import control_pb2 as pb
+from gateway.server.recovery.outage import OutageAdmission
+from gateway.server.workers.control import ControlService
+from gateway.server.workers.monitor import LoadMonitor
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def hello(wid: str, inc: int, engine: str = "lumen") -> pb.Hello:
+    return pb.Hello(
+        protocol_version=1,
+        worker_id=wid,
+        incarnation=inc,
+        http_url=f"http://{wid}",
+        kv_capacity_tokens=1000,
+        phase=pb.SERVING,
+        engine=engine,
+    )
+
+
+def grants(ctl: ControlService, wid: str) -> list[float]:
+    """The batch boosts granted to `wid` since the last call."""
+    out = []
+    while not ctl.outboxes[wid].empty():
+        msg = ctl.outboxes[wid].get_nowait()
+        if msg.WhichOneof("body") == "set_admission":
+            out.append(round(msg.set_admission.batch_boost, 4))
+    return out
+
+
+async def test_survivors_get_the_clusters_slots_while_the_recovery_lasts_and_lose_them_after() -> None:
+    clock = Clock()
+    mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.05, heartbeat_misses=3)
+    ctl = ControlService(mon, token="", heartbeat_interval_ms=50)
+    out = OutageAdmission(
+        monitor=mon, control=ctl, params=OutageParams(batch_boost=1.5), clock=clock, lease_s=3.0
+    )
+    ids = ("w0", "w1", "w2", "w3", "sg")
+    recs = {w: mon.attach(hello(w, 1, "sglang" if w == "sg" else "lumen")) for w in ids}
+    for w in ids:
+        ctl.outboxes[w] = asyncio.Queue()
+    out.tick()  # no recovery: nothing sent
+    assert all(grants(ctl, w) == [] for w in ids)
+
+    mon.detach(recs["w0"], "killed")
+    out.on_resume()  # the first interrupted request resumes elsewhere
+    assert out.recovering and out.boost == 1.25  # 5 workers, 1 out
+    assert [grants(ctl, w) for w in ("w1", "w2", "w3")] == [[1.25]] * 3
+    assert grants(ctl, "sg") == []  # an SGLang server's batch limit is fixed at launch
+    out.tick()
+    clock.t += 0.5
+    out.tick()
+    assert [grants(ctl, w) for w in ("w1", "w2", "w3")] == [[]] * 3  # granted < a third of a lease ago
+    clock.t += 0.6
+    out.tick()
+    assert [grants(ctl, w) for w in ("w1", "w2", "w3")] == [[1.25]] * 3  # renewed
+
+    # w0 back, but the survivors still hold a backlog: the boost stays (the most out at once was 1)
+    recs["w0"] = mon.attach(hello("w0", 2))
+    ctl.outboxes["w0"] = asyncio.Queue()
+    mon.heartbeat(recs["w1"], pb.Heartbeat(phase=pb.SERVING, running=64, waiting=30))
+    out.tick()
+    assert out.recovering and out.boost == 1.25
+    assert grants(ctl, "w0") == [1.25]
+    # the backlog drains: the grants are withdrawn (boost 1) from every worker that had one
+    mon.heartbeat(recs["w1"], pb.Heartbeat(phase=pb.SERVING, running=64, waiting=1))
+    out.tick()
+    assert not out.recovering and out.boost == 1.0
+    assert [grants(ctl, w) for w in ("w0", "w1", "w2", "w3")] == [[1.0]] * 4
+    out.tick()
+    assert all(grants(ctl, w) == [] for w in ids)
+
+
+async def test_the_boost_follows_the_most_workers_out_and_stops_at_the_cap() -> None:
+    clock = Clock()
+    mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.05, heartbeat_misses=3)
+    ctl = ControlService(mon, token="", heartbeat_interval_ms=50)
+    out = OutageAdmission(monitor=mon, control=ctl, params=OutageParams(batch_boost=1.5), clock=clock)
+    recs = {w: mon.attach(hello(w, 1)) for w in ("w0", "w1", "w2", "w3")}
+    for w in recs:
+        ctl.outboxes[w] = asyncio.Queue()
+    mon.detach(recs["w0"], "killed")
+    out.on_resume()
+    assert out.boost == 4 / 3
+    mon.detach(recs["w1"], "killed")
+    out.tick()
+    assert out.boost == 1.5  # 4/2 = 2, capped
+    assert grants(ctl, "w2") == [round(4 / 3, 4), 1.5]
