@@ -107,6 +107,10 @@ class EngineRole:
             batch_limit=s.max_running_requests,
         )
 
+    def welcomed(self, welcome: pb.Welcome) -> None:
+        if welcome.skip_draft:
+            self.engine.skip_draft()
+
     def command(self, msg: pb.GatewayMessage) -> None:
         kind = msg.WhichOneof("body")
         engine = self.engine

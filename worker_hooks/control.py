@@ -65,6 +65,10 @@ class AgentRole(Protocol):
         """Apply one command of the current incarnation (anything but Welcome and Refuse)."""
         ...
 
+    def welcomed(self, welcome: pb.Welcome) -> None:
+        """The gateway accepted this incarnation; what its Welcome says beyond the session's terms."""
+        ...
+
     async def reset(self) -> None:
         """The gateway knew this incarnation and the session ended: void what it had in flight here and
         become a new, strictly newer incarnation before the next Hello."""
@@ -203,6 +207,7 @@ class ControlClient:
                         f"this worker {CONTROL_PROTOCOL_VERSION}"
                     )
                 self.gateway_id = welcome.gateway_id
+                self.role.welcomed(welcome)
                 interval_ms = welcome.heartbeat_interval_ms or self.default_heartbeat_ms
                 log.info(
                     "attached",

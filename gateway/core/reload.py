@@ -13,7 +13,8 @@ seed when it launches the restart (the seed's address is a launch argument):
 - None qualifies: None, and the restart loads from its own storage (the `disk` fallback).
 
 `draft_first` is the progressive-recovery rule a restart follows once its sources are known: a draft
-model is worth loading first only if it is ready before the full model would be.
+model is worth loading first only if it is ready before the full model would be. `DraftFirst` is such
+a restart's timeline, the same in the simulator and Lumen's worker (`worker_hooks/engine/loading.py`).
 
 Both are pure: the result depends on the view's contents only, not on the order of the view, of
 `busy`, or of `deployment`.
@@ -22,6 +23,7 @@ Both are pure: the result depends on the view's contents only, not on the order 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from gateway.core.health import WorkerState
 from gateway.core.load import load_table
@@ -56,3 +58,32 @@ def draft_first(draft_ready_s: float, full_ready_s: float) -> bool:
     the draft would be ready before the full model, the rule Lumen's worker follows too
     (`worker_hooks/engine/loading.py`). A full model seeded from a peer usually arrives first."""
     return draft_ready_s < full_ready_s
+
+
+@dataclass(frozen=True, slots=True)
+class DraftFirst:
+    """A restart that loads its draft model first, from the storage the full model comes from.
+
+    The draft is ready at `draft_load_s` (its start-up and weights); the full weights follow it, so
+    the full model serves `draft_weights_s` later than a plain restart would (`full_load_s`): one
+    storage, read once for both, in order. Loading both side by side would not serve the full model
+    any sooner (the bytes share the bandwidth) and would make the draft later.
+    """
+
+    full_load_s: float  # a plain restart until it serves
+    draft_load_s: float  # until the draft model is ready (drafting starts)
+    draft_weights_s: float  # the draft's weights alone (no start-up): what the full model waits
+
+    @property
+    def serving_s(self) -> float:
+        return self.full_load_s + self.draft_weights_s
+
+    @property
+    def delay_s(self) -> float:
+        """How much later the full model serves than in a plain restart (the gate's `load_delay_s`)."""
+        return self.serving_s - self.full_load_s
+
+    @property
+    def window_s(self) -> float:
+        """How long the drafter drafts before the full model serves (the gate's `assist_window_s`)."""
+        return max(0.0, self.serving_s - self.draft_load_s)

@@ -138,9 +138,9 @@ class AssistGate:
     wait and the verification). `prompt_tokens` 0 leaves prefill out (decode throughput only).
 
     `load_delay_s` and `assist_window_s` are what drafting costs a restart before it drafts at all:
-    loading the draft model first makes the full model serve `load_delay_s` later (0: both load side
-    by side, as Lumen's worker plans it, `worker_hooks/engine/loading.py`) and the drafter then drafts
-    for `assist_window_s` (`load_pays`).
+    loading the draft model first makes the full model serve `load_delay_s` later (the draft's
+    weights, read first from the same storage: core/reload.py `DraftFirst`, the timeline of both the
+    simulator and Lumen's worker) and the drafter then drafts for `assist_window_s` (`load_pays`).
     """
 
     target: CostModel

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egateway/protocol/control.proto\x12\x10lumen.control.v1\"\xbb\x03\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x10\n\x08http_url\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x16\n\x0e\x64raft_endpoint\x18\x08 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04\x12\x19\n\x11\x63kpt_budget_bytes\x18\n \x01(\x04\x12\x16\n\x0e\x66\x61ilure_domain\x18\x0b \x01(\t\x12\x12\n\nauth_token\x18\x0c \x01(\t\x12\x11\n\tpage_size\x18\r \x01(\r\x12\x0b\n\x03pid\x18\x0e \x01(\r\x12\x1c\n\x14max_running_requests\x18\x0f \x01(\r\x12&\n\x05phase\x18\x10 \x01(\x0e\x32\x17.lumen.control.v1.Phase\x12\x0e\n\x06\x65ngine\x18\x11 \x01(\t\x12\n\n\x02tp\x18\x12 \x01(\r\x12\x15\n\rawaiting_seed\x18\x13 \x01(\x08\x12\x11\n\tplane_key\x18\x14 \x01(\t\",\n\rDurableTokens\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\"M\n\nDraftStats\x12\x16\n\x0e\x64rafted_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\"\xb9\x04\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12&\n\x05phase\x18\x02 \x01(\x0e\x32\x17.lumen.control.v1.Phase\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\x17\n\x0f\x63kpt_bytes_used\x18\x06 \x01(\x04\x12\x18\n\x10\x63kpt_tokens_held\x18\x07 \x01(\x04\x12\x30\n\x07\x64urable\x18\x08 \x03(\x0b\x32\x1f.lumen.control.v1.DurableTokens\x12\x1d\n\x15\x61\x62\x61ndoned_checkpoints\x18\t \x03(\t\x12+\n\x05\x64raft\x18\n \x01(\x0b\x32\x1c.lumen.control.v1.DraftStats\x12\x1d\n\x15restored_tokens_total\x18\x0b \x01(\x04\x12\x17\n\x0f\x63ompleted_total\x18\x0c \x01(\x04\x12\x1d\n\x15\x63kpt_bytes_sent_total\x18\r \x01(\x04\x12 \n\x18\x63kpt_pages_evicted_total\x18\x0e \x01(\x04\x12\x16\n\x0erestores_total\x18\x0f \x01(\x04\x12\x16\n\x0ereload_seconds\x18\x10 \x01(\x01\x12\x15\n\rreload_source\x18\x11 \x01(\t\x12\x13\n\x0breload_seed\x18\x12 \x01(\t\x12\x15\n\rawaiting_seed\x18\x13 \x01(\x08\x12\x0b\n\x03pid\x18\x14 \x01(\r\x12\x13\n\x0b\x62\x61tch_limit\x18\x15 \x01(\r\"s\n\rWorkerMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.lumen.control.v1.HelloH\x00\x12\x30\n\theartbeat\x18\x02 \x01(\x0b\x32\x1b.lumen.control.v1.HeartbeatH\x00\x42\x06\n\x04\x62ody\"V\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"\x18\n\x06Refuse\x12\x0e\n\x06reason\x18\x01 \x01(\t\"6\n\x0cHolderTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\"L\n\x0c\x41ssignHolder\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12/\n\x07holders\x18\x02 \x03(\x0b\x32\x1e.lumen.control.v1.HolderTarget\"\x1e\n\x0e\x44ropCheckpoint\x12\x0c\n\x04rids\x18\x01 \x03(\t\"k\n\x10StartDraftAssist\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x15\n\rpeer_endpoint\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\r\x12\x16\n\x0epeer_plane_key\x18\x05 \x01(\t\"\"\n\x0fStopDraftAssist\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"6\n\nReloadFrom\x12\x16\n\x0eseed_worker_id\x18\x01 \x01(\t\x12\x10\n\x08seed_url\x18\x02 \x01(\t\"u\n\x0bPlaneMember\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x11\n\tplane_key\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x16\n\x0e\x64raft_endpoint\x18\x05 \x01(\t\"\\\n\x07Members\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.lumen.control.v1.PlaneMember\x12\x14\n\x0cgateway_keys\x18\x03 \x03(\t\"\xc5\x04\n\x0eGatewayMessage\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12,\n\x07welcome\x18\x02 \x01(\x0b\x32\x19.lumen.control.v1.WelcomeH\x00\x12*\n\x06refuse\x18\x03 \x01(\x0b\x32\x18.lumen.control.v1.RefuseH\x00\x12\x37\n\rassign_holder\x18\x04 \x01(\x0b\x32\x1e.lumen.control.v1.AssignHolderH\x00\x12;\n\x0f\x64rop_checkpoint\x18\x05 \x01(\x0b\x32 .lumen.control.v1.DropCheckpointH\x00\x12@\n\x12start_draft_assist\x18\x06 \x01(\x0b\x32\".lumen.control.v1.StartDraftAssistH\x00\x12>\n\x11stop_draft_assist\x18\x07 \x01(\x0b\x32!.lumen.control.v1.StopDraftAssistH\x00\x12(\n\x05\x64rain\x18\x08 \x01(\x0b\x32\x17.lumen.control.v1.DrainH\x00\x12\x33\n\x0breload_from\x18\t \x01(\x0b\x32\x1c.lumen.control.v1.ReloadFromH\x00\x12,\n\x07members\x18\n \x01(\x0b\x32\x19.lumen.control.v1.MembersH\x00\x12\x37\n\rset_admission\x18\x0b \x01(\x0b\x32\x1e.lumen.control.v1.SetAdmissionH\x00\x42\x06\n\x04\x62ody\"4\n\x0cSetAdmission\x12\x13\n\x0b\x62\x61tch_boost\x18\x01 \x01(\x01\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01*o\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rLOADING_DRAFT\x10\x01\x12\x0f\n\x0b\x44RAFT_READY\x10\x02\x12\x10\n\x0cLOADING_FULL\x10\x03\x12\x0b\n\x07SERVING\x10\x04\x12\x0c\n\x08\x44RAINING\x10\x05\x32Z\n\x07\x43ontrol\x12O\n\x06\x41ttach\x12\x1f.lumen.control.v1.WorkerMessage\x1a .lumen.control.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egateway/protocol/control.proto\x12\x10lumen.control.v1\"\xbb\x03\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x10\n\x08http_url\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x16\n\x0e\x64raft_endpoint\x18\x08 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04\x12\x19\n\x11\x63kpt_budget_bytes\x18\n \x01(\x04\x12\x16\n\x0e\x66\x61ilure_domain\x18\x0b \x01(\t\x12\x12\n\nauth_token\x18\x0c \x01(\t\x12\x11\n\tpage_size\x18\r \x01(\r\x12\x0b\n\x03pid\x18\x0e \x01(\r\x12\x1c\n\x14max_running_requests\x18\x0f \x01(\r\x12&\n\x05phase\x18\x10 \x01(\x0e\x32\x17.lumen.control.v1.Phase\x12\x0e\n\x06\x65ngine\x18\x11 \x01(\t\x12\n\n\x02tp\x18\x12 \x01(\r\x12\x15\n\rawaiting_seed\x18\x13 \x01(\x08\x12\x11\n\tplane_key\x18\x14 \x01(\t\",\n\rDurableTokens\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\"M\n\nDraftStats\x12\x16\n\x0e\x64rafted_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\"\xb9\x04\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12&\n\x05phase\x18\x02 \x01(\x0e\x32\x17.lumen.control.v1.Phase\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\x17\n\x0f\x63kpt_bytes_used\x18\x06 \x01(\x04\x12\x18\n\x10\x63kpt_tokens_held\x18\x07 \x01(\x04\x12\x30\n\x07\x64urable\x18\x08 \x03(\x0b\x32\x1f.lumen.control.v1.DurableTokens\x12\x1d\n\x15\x61\x62\x61ndoned_checkpoints\x18\t \x03(\t\x12+\n\x05\x64raft\x18\n \x01(\x0b\x32\x1c.lumen.control.v1.DraftStats\x12\x1d\n\x15restored_tokens_total\x18\x0b \x01(\x04\x12\x17\n\x0f\x63ompleted_total\x18\x0c \x01(\x04\x12\x1d\n\x15\x63kpt_bytes_sent_total\x18\r \x01(\x04\x12 \n\x18\x63kpt_pages_evicted_total\x18\x0e \x01(\x04\x12\x16\n\x0erestores_total\x18\x0f \x01(\x04\x12\x16\n\x0ereload_seconds\x18\x10 \x01(\x01\x12\x15\n\rreload_source\x18\x11 \x01(\t\x12\x13\n\x0breload_seed\x18\x12 \x01(\t\x12\x15\n\rawaiting_seed\x18\x13 \x01(\x08\x12\x0b\n\x03pid\x18\x14 \x01(\r\x12\x13\n\x0b\x62\x61tch_limit\x18\x15 \x01(\r\"s\n\rWorkerMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.lumen.control.v1.HelloH\x00\x12\x30\n\theartbeat\x18\x02 \x01(\x0b\x32\x1b.lumen.control.v1.HeartbeatH\x00\x42\x06\n\x04\x62ody\"j\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x12\n\nskip_draft\x18\x04 \x01(\x08\"\x18\n\x06Refuse\x12\x0e\n\x06reason\x18\x01 \x01(\t\"6\n\x0cHolderTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\"L\n\x0c\x41ssignHolder\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12/\n\x07holders\x18\x02 \x03(\x0b\x32\x1e.lumen.control.v1.HolderTarget\"\x1e\n\x0e\x44ropCheckpoint\x12\x0c\n\x04rids\x18\x01 \x03(\t\"k\n\x10StartDraftAssist\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x15\n\rpeer_endpoint\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\r\x12\x16\n\x0epeer_plane_key\x18\x05 \x01(\t\"\"\n\x0fStopDraftAssist\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"6\n\nReloadFrom\x12\x16\n\x0eseed_worker_id\x18\x01 \x01(\t\x12\x10\n\x08seed_url\x18\x02 \x01(\t\"u\n\x0bPlaneMember\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x11\n\tplane_key\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x16\n\x0e\x64raft_endpoint\x18\x05 \x01(\t\"\\\n\x07Members\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.lumen.control.v1.PlaneMember\x12\x14\n\x0cgateway_keys\x18\x03 \x03(\t\"\xc5\x04\n\x0eGatewayMessage\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12,\n\x07welcome\x18\x02 \x01(\x0b\x32\x19.lumen.control.v1.WelcomeH\x00\x12*\n\x06refuse\x18\x03 \x01(\x0b\x32\x18.lumen.control.v1.RefuseH\x00\x12\x37\n\rassign_holder\x18\x04 \x01(\x0b\x32\x1e.lumen.control.v1.AssignHolderH\x00\x12;\n\x0f\x64rop_checkpoint\x18\x05 \x01(\x0b\x32 .lumen.control.v1.DropCheckpointH\x00\x12@\n\x12start_draft_assist\x18\x06 \x01(\x0b\x32\".lumen.control.v1.StartDraftAssistH\x00\x12>\n\x11stop_draft_assist\x18\x07 \x01(\x0b\x32!.lumen.control.v1.StopDraftAssistH\x00\x12(\n\x05\x64rain\x18\x08 \x01(\x0b\x32\x17.lumen.control.v1.DrainH\x00\x12\x33\n\x0breload_from\x18\t \x01(\x0b\x32\x1c.lumen.control.v1.ReloadFromH\x00\x12,\n\x07members\x18\n \x01(\x0b\x32\x19.lumen.control.v1.MembersH\x00\x12\x37\n\rset_admission\x18\x0b \x01(\x0b\x32\x1e.lumen.control.v1.SetAdmissionH\x00\x42\x06\n\x04\x62ody\"4\n\x0cSetAdmission\x12\x13\n\x0b\x62\x61tch_boost\x18\x01 \x01(\x01\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01*o\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rLOADING_DRAFT\x10\x01\x12\x0f\n\x0b\x44RAFT_READY\x10\x02\x12\x10\n\x0cLOADING_FULL\x10\x03\x12\x0b\n\x07SERVING\x10\x04\x12\x0c\n\x08\x44RAINING\x10\x05\x32Z\n\x07\x43ontrol\x12O\n\x06\x41ttach\x12\x1f.lumen.control.v1.WorkerMessage\x1a .lumen.control.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gateway.protocol.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASE']._serialized_start=2653
-  _globals['_PHASE']._serialized_end=2764
+  _globals['_PHASE']._serialized_start=2673
+  _globals['_PHASE']._serialized_end=2784
   _globals['_HELLO']._serialized_start=53
   _globals['_HELLO']._serialized_end=496
   _globals['_DURABLETOKENS']._serialized_start=498
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERMESSAGE']._serialized_start=1195
   _globals['_WORKERMESSAGE']._serialized_end=1310
   _globals['_WELCOME']._serialized_start=1312
-  _globals['_WELCOME']._serialized_end=1398
-  _globals['_REFUSE']._serialized_start=1400
-  _globals['_REFUSE']._serialized_end=1424
-  _globals['_HOLDERTARGET']._serialized_start=1426
-  _globals['_HOLDERTARGET']._serialized_end=1480
-  _globals['_ASSIGNHOLDER']._serialized_start=1482
-  _globals['_ASSIGNHOLDER']._serialized_end=1558
-  _globals['_DROPCHECKPOINT']._serialized_start=1560
-  _globals['_DROPCHECKPOINT']._serialized_end=1590
-  _globals['_STARTDRAFTASSIST']._serialized_start=1592
-  _globals['_STARTDRAFTASSIST']._serialized_end=1699
-  _globals['_STOPDRAFTASSIST']._serialized_start=1701
-  _globals['_STOPDRAFTASSIST']._serialized_end=1735
-  _globals['_DRAIN']._serialized_start=1737
-  _globals['_DRAIN']._serialized_end=1744
-  _globals['_RELOADFROM']._serialized_start=1746
-  _globals['_RELOADFROM']._serialized_end=1800
-  _globals['_PLANEMEMBER']._serialized_start=1802
-  _globals['_PLANEMEMBER']._serialized_end=1919
-  _globals['_MEMBERS']._serialized_start=1921
-  _globals['_MEMBERS']._serialized_end=2013
-  _globals['_GATEWAYMESSAGE']._serialized_start=2016
-  _globals['_GATEWAYMESSAGE']._serialized_end=2597
-  _globals['_SETADMISSION']._serialized_start=2599
-  _globals['_SETADMISSION']._serialized_end=2651
-  _globals['_CONTROL']._serialized_start=2766
-  _globals['_CONTROL']._serialized_end=2856
+  _globals['_WELCOME']._serialized_end=1418
+  _globals['_REFUSE']._serialized_start=1420
+  _globals['_REFUSE']._serialized_end=1444
+  _globals['_HOLDERTARGET']._serialized_start=1446
+  _globals['_HOLDERTARGET']._serialized_end=1500
+  _globals['_ASSIGNHOLDER']._serialized_start=1502
+  _globals['_ASSIGNHOLDER']._serialized_end=1578
+  _globals['_DROPCHECKPOINT']._serialized_start=1580
+  _globals['_DROPCHECKPOINT']._serialized_end=1610
+  _globals['_STARTDRAFTASSIST']._serialized_start=1612
+  _globals['_STARTDRAFTASSIST']._serialized_end=1719
+  _globals['_STOPDRAFTASSIST']._serialized_start=1721
+  _globals['_STOPDRAFTASSIST']._serialized_end=1755
+  _globals['_DRAIN']._serialized_start=1757
+  _globals['_DRAIN']._serialized_end=1764
+  _globals['_RELOADFROM']._serialized_start=1766
+  _globals['_RELOADFROM']._serialized_end=1820
+  _globals['_PLANEMEMBER']._serialized_start=1822
+  _globals['_PLANEMEMBER']._serialized_end=1939
+  _globals['_MEMBERS']._serialized_start=1941
+  _globals['_MEMBERS']._serialized_end=2033
+  _globals['_GATEWAYMESSAGE']._serialized_start=2036
+  _globals['_GATEWAYMESSAGE']._serialized_end=2617
+  _globals['_SETADMISSION']._serialized_start=2619
+  _globals['_SETADMISSION']._serialized_end=2671
+  _globals['_CONTROL']._serialized_start=2786
+  _globals['_CONTROL']._serialized_end=2876
 # @@protoc_insertion_point(module_scope)

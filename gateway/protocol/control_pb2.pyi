@@ -139,14 +139,16 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("protocol_version", "gateway_id", "heartbeat_interval_ms")
+    __slots__ = ("protocol_version", "gateway_id", "heartbeat_interval_ms", "skip_draft")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_DRAFT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     gateway_id: str
     heartbeat_interval_ms: int
-    def __init__(self, protocol_version: _Optional[int] = ..., gateway_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    skip_draft: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., gateway_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., skip_draft: _Optional[bool] = ...) -> None: ...
 
 class Refuse(_message.Message):
     __slots__ = ("reason",)

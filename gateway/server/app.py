@@ -19,7 +19,8 @@ from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
 from gateway.core.outage import OutageParams, admission_limit
-from gateway.core.pairing import PairingParams, with_batch_limit
+from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
+from gateway.core.reload import DraftFirst
 from gateway.core.router import routing_params
 from gateway.core.speculation import AssistGate
 from gateway.core.types import LoadParams
@@ -133,6 +134,9 @@ class Gateway:
             )
             self.control.heartbeat_hooks.append(lambda _rec, _beat: self._outage_tick())
             self.monitor.on_state_change.append(lambda _ev: self._outage_tick())
+        # a restart loading its draft model first goes on only if drafting pays for the full model's
+        # later start (the simulator's rule, `Coordinator.assist_wanted`); without draft assist, never
+        self.control.draft_first = self._draft_first
         self.sglang: SGLangPoller | None = None
         # draft assist on SGLang targets: the gateway verifies the drafts itself
         self.verifier: GatewayVerifier | None = None
@@ -158,12 +162,22 @@ class Gateway:
 
     def _assist_gate(self, config: Config) -> AssistGate | None:
         """Draft assist's cost gate (issue 17): the target's cost model and, when the paired draft
-        model is a cost-model preset, the drafter's (its latency is then charged to every round)."""
+        model is a cost-model preset, the drafter's (its latency is then charged to every round, and
+        a draft-first restart's timeline, core/reload.py DraftFirst, to the choice to load it)."""
         d = config.draft
         if not d.assist_gate:
             return None
         name = draft_for(d.pairs, config.model.preset)
         drafter = CostModel.preset(name, config.model.gpu) if name in MODELS else None
+        delay = window = 0.0
+        if drafter is not None:
+            e = config.engine
+            plan = DraftFirst(
+                e.model_load_s if e.model_load_s >= 0 else self.cost.load_time(),
+                e.draft_load_s if e.draft_load_s >= 0 else drafter.load_time(),
+                drafter.weights_time(),
+            )
+            delay, window = plan.delay_s, plan.window_s
         return AssistGate(
             self.cost,
             drafter,
@@ -173,6 +187,8 @@ class Gateway:
             min_gain=d.assist_min_gain,
             min_waiting=d.assist_min_waiting,
             nominal_batch=config.engine.max_running_requests,
+            load_delay_s=delay,
+            assist_window_s=window,
         )
 
     @property
@@ -345,6 +361,13 @@ class Gateway:
         return sglang_rid(wrid) if w is not None and w.engine is EngineKind.SGLANG else wrid
 
     # -- events -------------------------------------------------------------------------------
+    def _draft_first(self, worker_id: str) -> bool:
+        if self.assist is None:
+            return False
+        self.assist.params = with_load_shape(self.assist.params, self.assist.shape)
+        view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()
+        return draft_first_pays(view, self.assist.params, exclude=(worker_id,))
+
     def _outage_tick(self) -> None:
         if self.outage is not None:
             self.outage.tick()

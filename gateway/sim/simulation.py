@@ -44,7 +44,7 @@ from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
 from gateway.core.outage import OutageParams
 from gateway.core.pairing import PairingParams
-from gateway.core.reload import draft_first
+from gateway.core.reload import DraftFirst, draft_first
 from gateway.core.types import LoadParams
 from gateway.sim import events as ev
 from gateway.sim.coordinator import Coordinator, assist_gate, lag_per_token
@@ -112,16 +112,12 @@ class Simulation:
         draft_cost = CostModel.preset(c.draft_model, c.gpu)
         self.full_load_s = c.model_load_s if c.model_load_s >= 0 else self.cost.load_time()
         self.draft_load_s = c.draft_load_s if c.draft_load_s >= 0 else draft_cost.load_time()
-        self.weights_load_s = self.cost.load_time(engine_startup_s=0.0)  # after the draft: no restart
-        # a restart that loads its draft first serves this long after the draft is ready: the full
-        # weights (no second start-up); a scenario's `model_load_s` (the whole plain reload) is kept,
-        # the draft's own weights added to it, as the cost models do without overrides
-        overridden = c.model_load_s >= 0 or c.draft_load_s >= 0
-        self.after_draft_s = (
-            max(0.0, self.full_load_s + draft_cost.load_time(engine_startup_s=0.0) - self.draft_load_s)
-            if overridden
-            else self.weights_load_s
-        )
+        self.weights_load_s = self.cost.load_time(engine_startup_s=0.0)  # a broken seed's rest: no restart
+        # a restart that loads its draft first (core/reload.py DraftFirst, as Lumen's worker plans it):
+        # the full model serves the draft's weights later than a plain restart, and this long after
+        # the draft is ready
+        self.draft_plan = DraftFirst(self.full_load_s, self.draft_load_s, draft_cost.weights_time())
+        self.after_draft_s = self.draft_plan.window_s
         # seeded reload: the same with the weights from a survivor
         self.reload_source = rec.reload
         peer_bw = c.peer_bw or None
@@ -172,12 +168,10 @@ class Simulation:
                     self.cost,
                     draft_cost,
                     c.max_running_requests,
-                    # the overridden timeline (None: the cost models'): the delay a draft-first
-                    # restart costs against a plain one, and how long its drafter drafts
-                    load_delay_s=self.draft_load_s + self.after_draft_s - self.full_load_s
-                    if overridden
-                    else None,
-                    assist_window_s=self.after_draft_s if overridden else None,
+                    # the delay a draft-first restart costs against a plain one, and how long its
+                    # drafter drafts
+                    load_delay_s=self.draft_plan.delay_s,
+                    assist_window_s=self.draft_plan.window_s,
                 ),
             ),
             scenario.draft,

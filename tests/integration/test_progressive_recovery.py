@@ -17,17 +17,20 @@ import aiohttp
 import pytest
 
 from draft_models.client import DraftClient
+from gateway.core.costmodel import CostModel
 from gateway.core.health import Phase
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import GenerateRequest, LumenExt, SamplingParams, decode_chunk
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.planes import Member, PlaneAuth
+from gateway.server.workers.control import ControlService, start_control_server
+from gateway.server.workers.monitor import LoadMonitor
 from models.synthetic import expected_output
 from tests.fixtures.planes import introduce, member
 from worker_hooks.agent import Agent
 from worker_hooks.engine.engine import Engine
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.loading import LoadPlan, load_plan
+from worker_hooks.engine.loading import LoadPlan, load_plan, plain_plan
 from worker_hooks.engine.service import Worker, start_worker
 from worker_hooks.engine.speculative import MAX_MISSES
 
@@ -63,19 +66,25 @@ async def wait_until(cond: Any, within: float = 5.0) -> None:
 # -- the load plan ----------------------------------------------------------------------------------
 
 
-def test_load_plan_overlaps_draft_and_full_loading() -> None:
+def test_load_plan_loads_the_draft_then_the_full_weights_from_one_storage() -> None:
     engine_cost = Engine(spec()).cost
+    draft_weights = CostModel.preset("Qwen3-0.6B", "H100-80G").weights_time()
     assert load_plan(spec(), engine_cost) == LoadPlan(Phase.SERVING)
     plain = load_plan(spec(restart=True, draft_model="", model_load_s=40.0), engine_cost)
     assert plain == LoadPlan(Phase.LOADING_FULL, ((0.4, Phase.SERVING),))
-    # full load counted from the start, as without a draft model: assist never delays serving
+    assert plain_plan(spec(restart=True, model_load_s=40.0, draft_load_s=10.0), engine_cost) == plain
+    # the full model serves the draft's weights time later than a plain restart: the simulator's
+    # timeline (core/reload.py DraftFirst), which the draft-assist gate charges
     prog = load_plan(spec(restart=True, model_load_s=40.0, draft_load_s=10.0), engine_cost)
-    assert prog == LoadPlan(Phase.LOADING_DRAFT, ((0.1, Phase.DRAFT_READY), (0.4, Phase.SERVING)))
+    assert prog.first is Phase.LOADING_DRAFT
+    (t_draft, p_draft), (t_full, p_full) = prog.changes
+    assert (p_draft, p_full) == (Phase.DRAFT_READY, Phase.SERVING)
+    assert t_draft == pytest.approx(0.1) and t_full == pytest.approx(0.01 * (40.0 + draft_weights))
     assert prog.drafts and not plain.drafts
     # from the cost model: Qwen3-0.6B loads well before Qwen3-8B (both pay the engine start-up)
     auto = load_plan(spec(restart=True, time_scale=1.0), engine_cost)
     (t_draft, _), (t_full, _) = auto.changes
-    assert 20.0 < t_draft < t_full == pytest.approx(engine_cost.load_time())
+    assert 20.0 < t_draft < t_full == pytest.approx(engine_cost.load_time() + draft_weights)
     # a draft model that would not be ready first is not loaded at all
     slow = load_plan(spec(restart=True, model_load_s=10.0, draft_load_s=10.0), engine_cost)
     assert slow == LoadPlan(Phase.LOADING_FULL, ((0.1, Phase.SERVING),)) and not slow.drafts
@@ -348,3 +357,43 @@ async def test_ending_the_pair_while_the_target_awaits_drafts_does_not_stop_its_
             assert t.engine.assist.speculator is None
             outs = await asyncio.wait_for(asyncio.gather(*(drain(h) for h in handles)), 10)
             assert [out for out, _ in outs] == [expected(r) for r in reqs]
+
+
+# -- the gateway's choice: draft first or not -------------------------------------------------------
+
+
+@pytest.mark.parametrize("pays", [True, False])
+async def test_a_restart_loads_its_draft_first_only_if_the_gateway_says_it_pays(pays: bool) -> None:
+    # the gateway's gate (app._draft_first: pairing.draft_first_pays) answers the restart's Hello;
+    # told to skip, the worker is a plain restart: LOADING_FULL, serving when one without a draft would
+    monitor = LoadMonitor(clock=time.monotonic, heartbeat_interval_s=0.02, heartbeat_misses=50)
+    control = ControlService(monitor, token="", heartbeat_interval_ms=20)
+    asked: list[str] = []
+
+    def draft_first(worker_id: str) -> bool:
+        asked.append(worker_id)
+        return pays
+
+    control.draft_first = draft_first
+    server, port = await start_control_server(control, "127.0.0.1", 0)
+    try:
+        # the draft would be ready at 0.5 s (time_scale 0.01), well after the Welcome; plain: 1 s
+        s = spec(
+            "d", restart=True, draft_load_s=50.0, model_load_s=100.0, control_address=f"127.0.0.1:{port}"
+        )
+        loop = asyncio.get_running_loop()
+        async with start_worker(s) as w:
+            t0 = loop.time()
+            await wait_until(lambda: asked == ["d"])
+            seen = {w.engine.phase}
+            while w.engine.phase is not Phase.SERVING:
+                seen.add(w.engine.phase)
+                await asyncio.sleep(0.001)
+            served = loop.time() - t0
+        if pays:
+            assert Phase.DRAFT_READY in seen
+        else:
+            assert Phase.DRAFT_READY not in seen and Phase.LOADING_FULL in seen
+            assert served < 1.0 + 0.4  # when the plain restart serves (1 s), start-up noise allowed
+    finally:
+        await server.stop(None)

@@ -72,7 +72,8 @@ ALLOWED_ON_WORKERS = (
     "gateway.core.health",
     "gateway.core.speculation",
     "gateway.core.draftpairs",
-    "gateway.core.outage",  # the queue order the engine shares with the simulator (issue 17)
+    "gateway.core.outage",  # the queue order and batch limit the engine shares with the simulator (issue 17)
+    "gateway.core.reload",  # a draft-first restart's timeline (DraftFirst), the simulator's too
 )
 
 

@@ -17,6 +17,7 @@ SERVING.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ from worker_hooks.engine.admission import AdmissionLeases
 from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.draft_assist import Assist
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.loading import load_plan
+from worker_hooks.engine.loading import load_plan, plain_plan
 from worker_hooks.engine.orphans import Orphanage
 from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Emission, Scheduler, Seq, StepResult
@@ -132,6 +133,7 @@ class Engine:
         self._admission_timer: asyncio.TimerHandle | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
+        self._replanned = asyncio.Event()  # skip_draft replaced the load plan
         self.requests_total = 0
         self.aborted_total = 0
         self.prompt_tokens_total = 0
@@ -191,18 +193,41 @@ class Engine:
             if self.torch is not None:
                 self.torch.close()
 
+    def skip_draft(self) -> None:
+        """Load the full model only, as a plain restart (the gateway's Welcome.skip_draft): from
+        LOADING_DRAFT to LOADING_FULL, serving when a restart without a draft model would. Too late
+        once the draft is ready (it drafts until the full model serves)."""
+        if self.phase is not Phase.LOADING_DRAFT or not self.load_plan.drafts:
+            return
+        self.load_plan = plain_plan(self.spec, self.cost)
+        self.phase = self.load_plan.first
+        self._replanned.set()
+        log.info("draft model skipped", worker_id=self.worker_id, plan=self.load_plan)
+
     async def _load(self) -> None:
-        """Walk the load plan; once serving, retire the drafter (after its pairs and rounds end)."""
+        """Walk the load plan (re-read if `skip_draft` replaces it); once serving, retire the drafter
+        (after its pairs and rounds end)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         log.info("loading model", worker_id=self.worker_id, plan=self.load_plan)
-        for at, phase in self.load_plan.changes:
+        done = 0  # phase changes of the current plan taken
+        while done < len(self.load_plan.changes):
+            plan = self.load_plan
+            at, phase = plan.changes[done]
             if self.torch is not None:  # real loads; the plan's times are minimums
                 if phase is Phase.DRAFT_READY and self.assist.drafter is not None:
                     self.assist.drafter.set_model(await self.torch.load_draft_async())
                 elif phase is Phase.SERVING:
                     await self.torch.load_target_async()
-            await asyncio.sleep(max(0.0, start + at - loop.time()))
+            self._replanned.clear()
+            wait = start + at - loop.time()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._replanned.wait(), wait)
+            if self.load_plan is not plan:  # replanned while waiting: from its first change
+                done = 0
+                continue
+            done += 1
             if self.phase in (Phase.DRAINING, Phase.SERVING):
                 break  # drained while loading: stays so
             if phase is Phase.DRAFT_READY and self.assist.drafter is not None:

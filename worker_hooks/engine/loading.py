@@ -2,13 +2,13 @@
 
 A first start serves at once (the fleet is assumed warm). A restart pays the full model's load time
 (`model_load_s`, else the cost model's weights / load bandwidth + engine start-up) before SERVING. A
-restart with a draft model loads both models concurrently from the start: LOADING_DRAFT until the
-draft model's own load time (`draft_load_s`, else the draft preset's cost-model load time), then
-DRAFT_READY (it drafts for a survivor), then SERVING when the full model is in, at the same moment a
-restart without a draft model would serve. The draft model's few GB are assumed not to slow the full
-model's load noticeably; running them one after the other would delay full serving by the draft's
-load time, which is the stall progressive recovery exists to avoid. A draft model that would not be
-ready before the full one is not worth loading: such a restart is a plain LOADING_FULL one.
+restart with a draft model loads the draft first: LOADING_DRAFT until the draft model's own load time
+(`draft_load_s`, else the draft preset's cost-model load time), then DRAFT_READY (it drafts for a
+survivor), then SERVING once the full weights followed it from the same storage: the draft's weights
+time later than a plain restart (`gateway.core.reload.DraftFirst`, the timeline the simulator uses and
+the draft-assist gate charges). A draft model that would not be ready before the full one is not worth
+loading: such a restart is a plain LOADING_FULL one; and so is one whose gateway answers its Hello
+with `skip_draft` (the gate says drafting would not make up for the later start): `plain_plan`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gateway.core.costmodel import CostModel
 from gateway.core.health import Phase
+from gateway.core.reload import DraftFirst
 from gateway.protocol.launch import EngineSpec
 
 
@@ -33,16 +34,29 @@ class LoadPlan:
         return any(phase is Phase.DRAFT_READY for _, phase in self.changes)
 
 
-def load_plan(spec: EngineSpec, cost: CostModel) -> LoadPlan:
-    """The plan for `spec`; `cost` is the full model's cost model. Times are scaled by time_scale."""
+def _full_load_s(spec: EngineSpec, cost: CostModel) -> float:
+    return spec.model_load_s if spec.model_load_s is not None else cost.load_time()
+
+
+def plain_plan(spec: EngineSpec, cost: CostModel) -> LoadPlan:
+    """A restart without its draft model: LOADING_FULL, then SERVING after the full model's load."""
     if not spec.restart:
         return LoadPlan(Phase.SERVING)
-    full = (spec.model_load_s if spec.model_load_s is not None else cost.load_time()) * spec.time_scale
-    if spec.draft_model:
-        draft_s = spec.draft_load_s
-        if draft_s is None:
-            draft_s = CostModel.preset(spec.draft_model, spec.gpu).load_time()
-        draft = draft_s * spec.time_scale
-        if draft < full:
-            return LoadPlan(Phase.LOADING_DRAFT, ((draft, Phase.DRAFT_READY), (full, Phase.SERVING)))
-    return LoadPlan(Phase.LOADING_FULL, ((full, Phase.SERVING),))
+    return LoadPlan(Phase.LOADING_FULL, ((_full_load_s(spec, cost) * spec.time_scale, Phase.SERVING),))
+
+
+def load_plan(spec: EngineSpec, cost: CostModel) -> LoadPlan:
+    """The plan for `spec`; `cost` is the full model's cost model. Times are scaled by time_scale."""
+    if not spec.restart or not spec.draft_model:
+        return plain_plan(spec, cost)
+    full = _full_load_s(spec, cost)
+    drafter = CostModel.preset(spec.draft_model, spec.gpu)
+    draft_s = spec.draft_load_s if spec.draft_load_s is not None else drafter.load_time()
+    if draft_s >= full:
+        return plain_plan(spec, cost)
+    t = DraftFirst(full, draft_s, drafter.weights_time())
+    scale = spec.time_scale
+    return LoadPlan(
+        Phase.LOADING_DRAFT,
+        ((t.draft_load_s * scale, Phase.DRAFT_READY), (t.serving_s * scale, Phase.SERVING)),
+    )

@@ -112,6 +112,9 @@ class SGLangRole:
             beat.reload_seed = reload.seed
         return beat
 
+    def welcomed(self, welcome: pb.Welcome) -> None:
+        """Nothing to take from a Welcome: the server's relaunch plan is the agent's (agent_reload)."""
+
     def command(self, msg: pb.GatewayMessage) -> None:
         kind = msg.WhichOneof("body")
         if kind == "drain":

@@ -42,6 +42,9 @@ class ControlService(pb_grpc.ControlServicer):
         # the data planes (gateway/protocol/planes.py): the gateway's own CURVE keys (it is a draft-plane
         # client for SGLang targets), and the Members list every worker gets whenever it changes
         self.plane_keys = CurveKeypair.generate()
+        # whether a restart that is loading its draft model first should go on (Welcome.skip_draft
+        # when not); None: the gateway leaves the choice to the worker
+        self.draft_first: Callable[[str], bool] | None = None
         self.members_seq = 0
         monitor.on_state_change.append(self._on_state_change)
 
@@ -87,6 +90,9 @@ class ControlService(pb_grpc.ControlServicer):
                     protocol_version=CONTROL_PROTOCOL_VERSION,
                     gateway_id=self.gateway_id,
                     heartbeat_interval_ms=self.heartbeat_interval_ms,
+                    skip_draft=hello.phase == pb.LOADING_DRAFT
+                    and self.draft_first is not None
+                    and not self.draft_first(rec.id),
                 ),
             )
         )
