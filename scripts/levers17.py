@@ -150,8 +150,18 @@ WINDOW_S = 300.0  # a fixed window for every mode: mean TTFT of the requests arr
 def pick(v: dict[str, Any], records: Any, failure_at: float | None) -> dict[str, Any]:
     out = {k: v.get(k) for k in KEYS}
     if failure_at is not None:
-        out["ttft_300s"] = ev.failure_impact(records, failure_at, WINDOW_S).mean_ttft
-        out["tpot_300s"] = ev.failure_impact(records, failure_at, WINDOW_S).mean_tpot
+        impact = ev.failure_impact(records, failure_at, WINDOW_S)
+        out["ttft_300s"] = impact.mean_ttft
+        out["tpot_300s"] = impact.mean_tpot
+        # the tail of the same window (what a shortest-first order may starve)
+        ttfts = sorted(
+            r.first_token - r.arrival
+            for r in records
+            if failure_at <= r.arrival <= failure_at + WINDOW_S and r.first_token is not None
+        )
+        if ttfts:
+            out["ttft_p99_300s"] = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+            out["ttft_max_300s"] = ttfts[-1]
     out["pairs"] = v.get("draft_pairings")
     out["draft_first"] = [r["draft_first"] for r in v.get("reloads", [])]
     return out

@@ -135,7 +135,8 @@ class EngineRole:
             engine.assist.stop_pair(msg.stop_draft_assist.peer_id)
         elif kind == "set_admission":
             a = msg.set_admission
-            limit = engine.set_admission(self.source, a.batch_boost, a.lease_s)
+            rate = a.shortest_first_rate if a.shortest_first else None
+            limit = engine.set_admission(self.source, a.batch_boost, a.lease_s, rate)
             log.debug("admission", worker_id=engine.worker_id, boost=a.batch_boost, max_running=limit)
         else:
             log.info("unknown command ignored", worker_id=engine.worker_id, command=kind)

@@ -277,8 +277,13 @@ def _policies(cfg: Config) -> None:
     _core("recovery", lambda: HolderParams(placement=r.placement))
     _core(
         "recovery",
-        lambda: OutageParams(r.resumed_first, r.outage_batch_boost),
-        {"batch_boost": "recovery.outage_batch_boost"},
+        lambda: OutageParams(
+            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+        ),
+        {
+            "batch_boost": "recovery.outage_batch_boost",
+            "shortest_first_rate": "recovery.outage_shortest_first_rate",
+        },
     )
     _core(
         "recovery",

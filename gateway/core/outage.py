@@ -13,7 +13,10 @@ resumed from the failed worker (whose clients are mid-stream, frozen) and new ar
   on use it (Lumen's, not the baselines).
 - `shortest_first`: while a failure's outage or backlog lasts, a survivor's queue is ordered by the
   tokens each request has to prefill, fewest first (after the resumed ones): when prefill is the
-  bottleneck (long prompts, short outputs) this lowers the mean TTFT, at the tail's expense.
+  bottleneck (long prompts, short outputs) this lowers the mean TTFT, at the tail's expense. With
+  `shortest_first_rate` R > 0 (prompt tokens per second of waiting) the order ages: a request ranks by
+  its arrival + prefill / R (a virtual arrival), so a long prompt yields only to requests that arrive
+  within prefill / R seconds after it, which bounds how long it can starve; 0 is pure shortest first.
 
 All are pure and shared by the simulator and the live gateway: Lumen's engine takes the queue order
 (`worker_hooks/engine/scheduler.py`), and the live gateway's `OutageAdmission`
@@ -38,11 +41,14 @@ BOOST_LEASE_S = 3.0
 class OutageParams:
     resumed_first: bool = True
     batch_boost: float = 1.5  # the cap of the survivors' batch-limit factor (1: no boost)
-    shortest_first: bool = False
+    shortest_first: bool = True
+    shortest_first_rate: float = 2000.0  # prompt tokens one second of waiting outweighs (0: no aging)
 
     def __post_init__(self) -> None:
         ok = self.batch_boost >= 1 and math.isfinite(self.batch_boost)
         check(ok, "batch_boost", self.batch_boost, "must be a finite number >= 1")
+        r = self.shortest_first_rate
+        check(r >= 0 and math.isfinite(r), "shortest_first_rate", r, "must be a finite number >= 0")
 
 
 def outage_boost(params: OutageParams, recovering: bool, workers: int, down: int) -> float:
@@ -72,11 +78,15 @@ def queue_first(attempt: int, params: OutageParams) -> bool:
     return params.resumed_first and attempt > 1
 
 
-def queue_rank(attempt: int, prefill_tokens: int, params: OutageParams, recovering: bool) -> tuple[int, int]:
+def queue_rank(
+    attempt: int, prefill_tokens: int, params: OutageParams, recovering: bool, arrival: float = 0.0
+) -> tuple[int, float]:
     """Where a request stands in its worker's queue: lower first, FIFO among equal ranks. Resumed
     attempts first (`queue_first`); with `shortest_first`, while the cluster recovers, fewer tokens
-    to prefill first (prompt lengths are known on arrival: no oracle). (1, 0) is plain FIFO."""
-    return (
-        0 if queue_first(attempt, params) else 1,
-        prefill_tokens if recovering and params.shortest_first else 0,
-    )
+    to prefill first (prompt lengths are known on arrival: no oracle), aged by `shortest_first_rate`
+    (arrival + prefill / rate: `arrival` in seconds on the shell's clock). (1, 0) is plain FIFO."""
+    first = 0 if queue_first(attempt, params) else 1
+    if not (recovering and params.shortest_first):
+        return (first, 0)
+    rate = params.shortest_first_rate
+    return (first, prefill_tokens if rate <= 0 else arrival + prefill_tokens / rate)

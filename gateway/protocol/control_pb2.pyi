@@ -261,9 +261,13 @@ class GatewayMessage(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., assign_holder: _Optional[_Union[AssignHolder, _Mapping]] = ..., drop_checkpoint: _Optional[_Union[DropCheckpoint, _Mapping]] = ..., start_draft_assist: _Optional[_Union[StartDraftAssist, _Mapping]] = ..., stop_draft_assist: _Optional[_Union[StopDraftAssist, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., reload_from: _Optional[_Union[ReloadFrom, _Mapping]] = ..., members: _Optional[_Union[Members, _Mapping]] = ..., set_admission: _Optional[_Union[SetAdmission, _Mapping]] = ...) -> None: ...
 
 class SetAdmission(_message.Message):
-    __slots__ = ("batch_boost", "lease_s")
+    __slots__ = ("batch_boost", "lease_s", "shortest_first", "shortest_first_rate")
     BATCH_BOOST_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    SHORTEST_FIRST_FIELD_NUMBER: _ClassVar[int]
+    SHORTEST_FIRST_RATE_FIELD_NUMBER: _ClassVar[int]
     batch_boost: float
     lease_s: float
-    def __init__(self, batch_boost: _Optional[float] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    shortest_first: bool
+    shortest_first_rate: float
+    def __init__(self, batch_boost: _Optional[float] = ..., lease_s: _Optional[float] = ..., shortest_first: _Optional[bool] = ..., shortest_first_rate: _Optional[float] = ...) -> None: ...

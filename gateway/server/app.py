@@ -127,8 +127,10 @@ class Gateway:
             )
         # Lumen's modes: a larger batch on the serving workers while a recovery lasts (core/outage.py)
         self.outage: OutageAdmission | None = None
-        outage = OutageParams(r.resumed_first, r.outage_batch_boost, r.outage_shortest_first)
-        if self.policy.outage_admission and outage.batch_boost > 1:
+        outage = OutageParams(
+            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+        )
+        if self.policy.outage_admission and (outage.batch_boost > 1 or outage.shortest_first):
             self.outage = OutageAdmission(
                 monitor=self.monitor, control=self.control, params=outage, clock=time.monotonic
             )

@@ -283,14 +283,15 @@ class Coordinator:
         return None if wid is None else self.by_id[wid]
 
     # -- the outage: survivors' queue order and batch limit (gateway.core.outage) -------------------
-    def _rank(self, r: SimRequest) -> tuple[int, int]:
+    def _rank(self, r: SimRequest) -> tuple[int, float]:
         prefill = r.prompt + r.emitted - r.restored  # max(1, r.context - r.restored): a call to max
-        return queue_rank(r.attempts, prefill if prefill > 1 else 1, self.outage, self.recovering)
+        shaping = self.recovering and self.policy.outage_admission  # Lumen's modes only
+        return queue_rank(r.attempts, prefill if prefill > 1 else 1, self.outage, shaping, r.arrival)
 
     def _set_recovering(self, on: bool, now: float) -> None:
         self.recovering = on
         self.down_peak = 0
-        if self.outage.shortest_first:  # rank queues by prefill size while recovering, FIFO after
+        if self.outage.shortest_first and self.policy.outage_admission:  # by prefill while recovering
             rank = self._rank if on else fifo_rank
             for w in self.workers:
                 w.rank_of = rank

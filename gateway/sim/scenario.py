@@ -127,6 +127,7 @@ class RecoverySpec:
     stream_prefill: bool = _HOLDERS.stream_prefill
     outage_batch_boost: float = _OUTAGE.batch_boost
     outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size while recovering
+    outage_shortest_first_rate: float = _OUTAGE.shortest_first_rate  # ... aged (tokens per s waited)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +285,12 @@ def validate(s: Scenario) -> None:
         "draft",
         lambda: PairingParams(hysteresis=d.hysteresis, max_drafters_per_target=d.max_drafters_per_target),
     )
-    _core("recovery", lambda: OutageParams(r.resumed_first, r.outage_batch_boost))
+    _core(
+        "recovery",
+        lambda: OutageParams(
+            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+        ),
+    )
     _core("draft", lambda: check_gate_bounds(d.assist_min_gain, d.assist_min_waiting))
     g = s.gray
     _core("gray", lambda: GrayParams(g.enabled, g.slow_factor, g.recover_factor, g.min_peers))

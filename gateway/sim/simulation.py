@@ -180,7 +180,12 @@ class Simulation:
             c.page_size,
             lag_per_token(kvb, self.cost.gpu.d2h_bw * self.cost.tp, c.network_bw),
             route_by_checkpoint_load=rec.route_by_checkpoint_load,
-            outage=OutageParams(rec.resumed_first, rec.outage_batch_boost, rec.outage_shortest_first),
+            outage=OutageParams(
+                rec.resumed_first,
+                rec.outage_batch_boost,
+                rec.outage_shortest_first,
+                rec.outage_shortest_first_rate,
+            ),
         )
         self.failures: tuple[FailureSpec, ...] = scenario.failures if failures else ()
         self.detector = DetectorParams(interval_s=rec.heartbeat_interval_s)

@@ -30,7 +30,7 @@ from gateway.sim.stepcost import Run, StepCost
 IDLE, PREFILL, DECODE = 0, 1, 2
 
 
-def fifo_rank(q: SimRequest) -> tuple[int, int]:
+def fifo_rank(q: SimRequest) -> tuple[int, float]:
     """A queued request's rank outside a recovery: resumed first, else FIFO (core/outage.queue_rank)."""
     return (0 if q.attempts > 1 else 1, 0)
 
@@ -78,7 +78,7 @@ class SimWorker:
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
         # a queued request's rank (`enqueue`); the coordinator ranks by prefill size while recovering
-        self.rank_of: Callable[[SimRequest], tuple[int, int]] = fifo_rank
+        self.rank_of: Callable[[SimRequest], tuple[int, float]] = fifo_rank
         # step-time factor in effect (`slow`): a slow fault's (`fault_slow`, a gray failure) times a
         # seed's while it streams its weights to a restarting worker (`send_slow`)
         self.slow = 1.0
@@ -120,7 +120,7 @@ class SimWorker:
                 self.dirty_sink.append(self)
 
     # -- work arriving ---------------------------------------------------------------------------
-    def enqueue(self, r: SimRequest, now: float, rank: tuple[int, int] = (1, 0)) -> None:
+    def enqueue(self, r: SimRequest, now: float, rank: tuple[int, float] = (1, 0)) -> None:
         """r joins the queue behind every request of rank <= `rank` (core/outage.queue_rank: (1, 0)
         is plain FIFO; a resumed request ranks first; `rank_of` ranks the queued ones)."""
         self.mark_dirty()

@@ -32,13 +32,18 @@ def hello(wid: str, inc: int, engine: str = "lumen") -> pb.Hello:
     )
 
 
+ORDERS: list[tuple[bool, float]] = []  # (shortest_first, its rate) of every grant `grants` saw
+
+
 def grants(ctl: ControlService, wid: str) -> list[float]:
-    """The batch boosts granted to `wid` since the last call."""
+    """The batch boosts granted to `wid` since the last call (their queue orders go to ORDERS)."""
     out = []
     while not ctl.outboxes[wid].empty():
         msg = ctl.outboxes[wid].get_nowait()
         if msg.WhichOneof("body") == "set_admission":
-            out.append(round(msg.set_admission.batch_boost, 4))
+            a = msg.set_admission
+            out.append(round(a.batch_boost, 4))
+            ORDERS.append((a.shortest_first, a.shortest_first_rate))
     return out
 
 
@@ -46,9 +51,8 @@ async def test_survivors_get_the_clusters_slots_while_the_recovery_lasts_and_los
     clock = Clock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.05, heartbeat_misses=3)
     ctl = ControlService(mon, token="", heartbeat_interval_ms=50)
-    out = OutageAdmission(
-        monitor=mon, control=ctl, params=OutageParams(batch_boost=1.5), clock=clock, lease_s=3.0
-    )
+    params = OutageParams(batch_boost=1.5, shortest_first=True, shortest_first_rate=2000.0)
+    out = OutageAdmission(monitor=mon, control=ctl, params=params, clock=clock, lease_s=3.0)
     ids = ("w0", "w1", "w2", "w3", "sg")
     recs = {w: mon.attach(hello(w, 1, "sglang" if w == "sg" else "lumen")) for w in ids}
     for w in ids:
@@ -59,7 +63,9 @@ async def test_survivors_get_the_clusters_slots_while_the_recovery_lasts_and_los
     mon.detach(recs["w0"], "killed")
     out.on_resume()  # the first interrupted request resumes elsewhere
     assert out.recovering and out.boost == 1.25  # 5 workers, 1 out
+    ORDERS.clear()
     assert [grants(ctl, w) for w in ("w1", "w2", "w3")] == [[1.25]] * 3
+    assert ORDERS == [(True, 2000.0)] * 3  # and their queues shortest prefill first, aged
     assert grants(ctl, "sg") == []  # an SGLang server's batch limit is fixed at launch
     out.tick()
     clock.t += 0.5
@@ -80,7 +86,9 @@ async def test_survivors_get_the_clusters_slots_while_the_recovery_lasts_and_los
     mon.heartbeat(recs["w1"], pb.Heartbeat(phase=pb.SERVING, running=64, waiting=1))
     out.tick()
     assert not out.recovering and out.boost == 1.0
+    ORDERS.clear()
     assert [grants(ctl, w) for w in ("w0", "w1", "w2", "w3")] == [[1.0]] * 4
+    assert [o[0] for o in ORDERS] == [False] * 4  # FIFO again
     out.tick()
     assert all(grants(ctl, w) == [] for w in ids)
 

@@ -49,3 +49,20 @@ def test_no_grant_lowers_the_limit_or_raises_it_past_the_clamp(boost: float, lea
     assert 32 <= limit <= math.floor(32 * MAX_BOOST)
     if not (math.isfinite(boost) and math.isfinite(lease_s)) or boost <= 1 or lease_s <= 0:
         assert limit == 32
+
+
+def test_the_queue_order_is_the_freshest_live_grants_and_ends_with_it() -> None:
+    clock = Clock()
+    leases = AdmissionLeases(8, clock)
+    assert leases.shortest_first_rate() is None
+    leases.grant("gw1", 1.0, 3.0, shortest_first_rate=2000.0)  # an order alone is a grant
+    assert leases.shortest_first_rate() == 2000.0 and leases.limit() == 8
+    clock.t += 1.0
+    leases.grant("gw2", 1.5, 3.0, shortest_first_rate=500.0)
+    assert leases.shortest_first_rate() == 500.0 and leases.limit() == 12
+    leases.grant("gw2", 1.0, 3.0)  # gw2 withdraws: gw1's order again
+    assert leases.shortest_first_rate() == 2000.0
+    clock.t += 2.5
+    assert leases.shortest_first_rate() is None  # gw1's lease ended
+    assert leases.grant("gw1", 1.0, 3.0, shortest_first_rate=float("nan")) == 8
+    assert leases.shortest_first_rate() is None  # a malformed order is no order

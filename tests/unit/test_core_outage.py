@@ -70,16 +70,44 @@ def test_a_boost_below_one_or_not_finite_is_refused(boost: float) -> None:
 def test_queue_rank_puts_resumed_first_and_orders_by_prefill_only_while_recovering(
     attempt: int, tokens: int, resumed_first: bool, shortest: bool, recovering: bool
 ) -> None:
-    p = OutageParams(resumed_first=resumed_first, shortest_first=shortest)
+    p = OutageParams(resumed_first=resumed_first, shortest_first=shortest, shortest_first_rate=0.0)
     first, size = queue_rank(attempt, tokens, p, recovering)
     assert first == (0 if queue_first(attempt, p) else 1)
     assert size == (tokens if shortest and recovering else 0)
     # with both levers off the rank is plain FIFO's
-    assert queue_rank(attempt, tokens, OutageParams(resumed_first=False), recovering) == (1, 0)
+    off = OutageParams(resumed_first=False, shortest_first=False)
+    assert queue_rank(attempt, tokens, off, recovering) == (1, 0)
 
 
 def test_a_queue_sorted_by_rank_is_resumed_then_shortest_then_fifo() -> None:
-    p = OutageParams(shortest_first=True)
+    p = OutageParams(shortest_first=True, shortest_first_rate=0.0)
     queue = [("new-long", 1, 4000), ("resumed", 2, 3000), ("new-short", 1, 200), ("new-short-2", 1, 200)]
     order = sorted(queue, key=lambda q: queue_rank(q[1], q[2], p, True))
     assert [q[0] for q in order] == ["resumed", "new-short", "new-short-2", "new-long"]
+
+
+@given(
+    st.floats(100.0, 50_000.0),
+    st.integers(1, 20_000),
+    st.integers(1, 20_000),
+    st.floats(0.0, 100.0),
+    st.floats(0.0, 30.0),
+)
+def test_an_aged_long_prompt_yields_only_to_requests_arriving_within_its_prefill_over_the_rate(
+    rate: float, long_tokens: int, short_tokens: int, t_long: float, later: float
+) -> None:
+    p = OutageParams(shortest_first=True, shortest_first_rate=rate)
+    a = queue_rank(1, long_tokens, p, True, t_long)
+    b = queue_rank(1, short_tokens, p, True, t_long + later)
+    if b < a:  # b goes first although it arrived later: only if it came soon enough after a
+        assert later < long_tokens / rate
+    if later >= long_tokens / rate:
+        assert a <= b
+
+
+def test_without_aging_shortest_first_is_pure_and_a_negative_rate_is_refused() -> None:
+    p = OutageParams(shortest_first=True, shortest_first_rate=0.0)
+    assert queue_rank(1, 500, p, True, arrival=99.0) == (1, 500)
+    with pytest.raises(ParamError) as exc:
+        OutageParams(shortest_first_rate=-1.0)
+    assert exc.value.field == "shortest_first_rate"

@@ -248,3 +248,31 @@ def test_resumed_requests_queue_ahead_of_new_ones_in_arrival_order() -> None:
     assert [q.rid for q in s.waiting] == ["r1", "r2", "n1", "n2"]
     s.step()
     assert [q.rid for q in s.running] == ["r1"]
+
+
+def test_a_recovery_orders_the_queue_shortest_prefill_first_aged_and_then_back_to_fifo() -> None:
+    from worker_hooks.engine.engine import _aged_shortest_first
+
+    s = make(max_running=1)
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    # (rid, prompt tokens, queued at, resumed)
+    for rid, n, at, resumed in (
+        ("long", 3000, 0.0, False),
+        ("short", 100, 0.5, False),
+        ("r", 900, 2.0, True),
+    ):
+        seq = s.make_seq(rid, list(range(1, n + 1)), params)
+        seq.enqueued_at, seq.resumed = at, resumed
+        s.add(seq)
+    assert [q.rid for q in s.waiting] == ["r", "long", "short"]
+    s.set_rank(_aged_shortest_first(0.0))  # not aged: shortest first after the resumed one
+    assert [q.rid for q in s.waiting] == ["r", "short", "long"]
+    s.set_rank(_aged_shortest_first(10_000.0))  # 2,900 more tokens are worth only 0.29 s: long first
+    assert [q.rid for q in s.waiting] == ["r", "long", "short"]
+    s.set_rank(_aged_shortest_first(1_000.0))  # ... 2.9 s: the short one (0.5 s later) first
+    late = s.make_seq("late", list(range(1, 51)), params)
+    late.enqueued_at = 4.0  # 50 tokens at 4 s ranks 4.05: behind long (3.0), ahead of nothing else
+    s.add(late)
+    assert [q.rid for q in s.waiting] == ["r", "short", "long", "late"]
+    s.set_rank(None)  # the recovery is over: resumed first, then FIFO again
+    assert [q.rid for q in s.waiting] == ["r", "long", "short", "late"]

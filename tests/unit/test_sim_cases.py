@@ -215,10 +215,20 @@ def test_shortest_prefill_first_orders_a_survivors_queue_only_while_recovering()
         "failures": [{"at_s": 0.5, "workers": ["w0"]}],
         "recovery": {"no_worker_wait_s": 600.0},
     }
-    fifo = run("lumen", reqs, **fail).records
+    fifo_recovery = {"outage_shortest_first": False, "no_worker_wait_s": 600.0}
+    fifo = run("lumen", reqs, **{**fail, "recovery": fifo_recovery}).records
     sjf_recovery = {"outage_shortest_first": True, "no_worker_wait_s": 600.0}
     sjf = run("lumen", reqs, **{**fail, "recovery": sjf_recovery}).records
     assert fifo[2].first_token is not None and fifo[3].first_token is not None
     assert sjf[2].first_token is not None and sjf[3].first_token is not None
     assert fifo[2].first_token < fifo[3].first_token  # FIFO: the long prompt was first in the queue
     assert sjf[3].first_token < sjf[2].first_token  # shortest first while w0 reloads
+    # aged: the long prompt (2,950 tokens more) arrived 0.01 s earlier, so it keeps its place only at
+    # a rate above 2,950 / 0.01 tokens per second
+    for rate, short_first in ((1e6, False), (1e5, True)):
+        aged = {**sjf_recovery, "outage_shortest_first_rate": rate}
+        got = run("lumen", reqs, **{**fail, "recovery": aged}).records
+        assert (got[3].first_token < got[2].first_token) == short_first, rate  # type: ignore[operator]
+    # a baseline as published keeps FIFO
+    base = run("fixed_checkpoint", reqs, **{**fail, "recovery": sjf_recovery}).records
+    assert base[2].first_token < base[3].first_token  # type: ignore[operator]

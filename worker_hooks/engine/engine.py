@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ import structlog
 
 from gateway.core.costmodel import CostModel
 from gateway.core.health import Phase
-from gateway.core.outage import OutageParams, queue_first
+from gateway.core.outage import OutageParams, queue_first, queue_rank
 from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.planes import PlaneAuth
@@ -77,6 +78,18 @@ class EngineStats:
     steps_total: int
     modelled_s_total: float  # modelled time of every step so far (restores included)
     busy_s_total: float  # wall time the step loop spent outside its sleeps
+
+
+def _aged_shortest_first(rate: float) -> Callable[[Seq], tuple[int, float]]:
+    """The queue rank of a recovery (gateway.core.outage.queue_rank): resumed first, then the fewest
+    tokens to prefill, aged at `rate` tokens per second of waiting (0: not aged)."""
+    params = OutageParams(shortest_first=True, shortest_first_rate=rate)
+
+    def rank(seq: Seq) -> tuple[int, float]:
+        prefill = max(1, len(seq.prompt) - seq.restored)
+        return queue_rank(2 if seq.resumed else 1, prefill, params, True, seq.enqueued_at)
+
+    return rank
 
 
 class Engine:
@@ -131,6 +144,7 @@ class Engine:
         # the batch limit while the cluster recovers: the gateways' leases of a larger one (admission.py)
         self.admission = AdmissionLeases(spec.max_running_requests)
         self._admission_timer: asyncio.TimerHandle | None = None
+        self._queue_rate: float | None = None  # the aged shortest-first order in force (None: FIFO)
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self._replanned = asyncio.Event()  # skip_draft replaced the load plan
@@ -241,15 +255,23 @@ class Engine:
         """Stop taking new requests; those in flight finish."""
         self.phase = Phase.DRAINING
 
-    def set_admission(self, source: str, boost: float, lease_s: float) -> int:
-        """A gateway's lease of a larger batch while the cluster recovers (`SetAdmission`); the batch
-        limit now."""
-        self.admission.grant(source, boost, lease_s)
+    def set_admission(
+        self, source: str, boost: float, lease_s: float, shortest_first_rate: float | None = None
+    ) -> int:
+        """A gateway's lease of a larger batch and an aged shortest-first queue while the cluster
+        recovers (`SetAdmission`); the batch limit now."""
+        self.admission.grant(source, boost, lease_s, shortest_first_rate)
         return self._apply_admission()
 
     def _apply_admission(self) -> int:
-        """Set the scheduler's batch limit to what the live leases allow, and look again when the
-        earliest of them ends. A lower limit preempts nothing: it admits less until the batch shrinks."""
+        """Set the scheduler's batch limit and queue order to what the live leases say, and look again
+        when the earliest of them ends. A lower limit preempts nothing: it admits less until the batch
+        shrinks."""
+        rate = self.admission.shortest_first_rate()
+        if rate != self._queue_rate:
+            self._queue_rate = rate
+            self.scheduler.set_rank(None if rate is None else _aged_shortest_first(rate))
+            log.info("queue order", worker_id=self.worker_id, shortest_first_rate=rate)
         limit = self.admission.limit()
         old = self.scheduler.max_running
         if limit != old:
@@ -307,6 +329,7 @@ class Engine:
             seq = self.scheduler.make_seq(req.rid, req.input_ids, req.sampling_params, seed_base, restored)
         seq.top_logprobs = req.top_logprobs_num if req.return_logprob else -1
         seq.resumed = ext is not None and queue_first(ext.attempt, OutageParams())
+        seq.enqueued_at = time.monotonic()
         if not self.scheduler.fits_ever(seq):
             raise errors.PromptTooLong(
                 f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "

@@ -24,7 +24,7 @@ Pure and synchronous: the engine shell calls `step()`, sleeps for the modelled t
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from draft_models.synthetic_drafter import verify_synthetic
@@ -55,6 +55,9 @@ class Seq:
     top_logprobs: int = -1
     # a resumed attempt queued ahead of new requests (gateway.core.outage.queue_first)
     resumed: bool = False
+    # when it was queued (the engine's clock) and in which order: aged shortest-first ranks by it
+    enqueued_at: float = 0.0
+    seqno: int = 0
 
     @property
     def context_len(self) -> int:
@@ -121,6 +124,11 @@ class StepResult:
         return not self.work.prefill and not self.work.decode_contexts
 
 
+def _fifo_rank(seq: Seq) -> tuple[int, float]:
+    """Resumed first (in their queue order), then FIFO: the order outside a recovery."""
+    return (0 if seq.resumed else 1, seq.seqno)
+
+
 class BatchScheduler:
     """What every backend's scheduler shares: the queues, admission bookkeeping, aborts, emission."""
 
@@ -137,6 +145,9 @@ class BatchScheduler:
         self.running: list[Seq] = []  # in admission order
         self._by_rid: dict[str, Seq] = {}
         self.completed_total = 0
+        # the waiting queue's order while the cluster recovers (None: resumed first, then FIFO)
+        self.rank: Callable[[Seq], tuple[int, float]] | None = None
+        self._added = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def fits_ever(self, seq: Seq) -> bool:
@@ -145,19 +156,30 @@ class BatchScheduler:
 
     def add(self, seq: Seq) -> None:
         """Queue `seq`: FCFS, except that a resumed request (`seq.resumed`) goes ahead of every new
-        one, behind the resumed requests queued before it."""
+        one, behind the resumed requests queued before it; with a `rank` (set_rank), behind every
+        queued request of a rank <= its own."""
         if seq.rid in self._by_rid:
             raise ValueError(f"duplicate request id {seq.rid!r}")
         self._by_rid[seq.rid] = seq
-        if not seq.resumed:
+        self._added += 1
+        seq.seqno = self._added
+        rank = self.rank or _fifo_rank
+        mine = rank(seq)
+        if not self.waiting or rank(self.waiting[-1]) <= mine:
             self.waiting.append(seq)
             return
         i = 0
         for queued in self.waiting:
-            if not queued.resumed:
+            if rank(queued) > mine:
                 break
             i += 1
         self.waiting.insert(i, seq)
+
+    def set_rank(self, rank: Callable[[Seq], tuple[int, float]] | None) -> None:
+        """Order the waiting queue by `rank` from now on (stable: queue order among equal ranks);
+        None: back to resumed first, then FIFO."""
+        self.rank = rank
+        self.waiting = deque(sorted(self.waiting, key=rank or _fifo_rank))
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._by_rid

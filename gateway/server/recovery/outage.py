@@ -1,13 +1,15 @@
-"""The live shell of the outage batch boost (gateway/core/outage.py, issue 17).
+"""The live shell of the survivors' admission during an outage (gateway/core/outage.py, issue 17).
 
 From the first recovery dispatch (an interrupted request resumed elsewhere) until every worker serves
 again and the queues hold no backlog (`backlog_drained`), every serving Lumen worker may admit a
-larger batch: `outage_boost` of the most workers out at once during this recovery, the factor the
-simulator's coordinator applies. The factor goes to each worker as a lease (`SetAdmission`) renewed
-every third of `BOOST_LEASE_S` while the recovery lasts, and withdrawn (boost 1) when it ends; a
-gateway that dies leaves no worker boosted for longer than a lease. SGLang servers are left alone:
+larger batch (`outage_boost` of the most workers out at once during this recovery, the factor the
+simulator's coordinator applies) and orders its queue shortest prefill first, aged
+(`shortest_first`, `shortest_first_rate`). Both go to each worker as a lease (`SetAdmission`) renewed
+every third of `BOOST_LEASE_S` while the recovery lasts, and withdrawn (boost 1, FIFO) when it ends;
+a gateway that dies leaves no worker changed for longer than a lease. SGLang servers are left alone:
 their batch limit is a launch argument (`--max-running-requests`) that SGLang 0.5.23 cannot change at
-run time (its /set_internal_state takes pp_max_micro_batch_size and speculative thresholds only).
+run time (its /set_internal_state takes pp_max_micro_batch_size and speculative thresholds only), and
+their queue policy (`--schedule-policy`) too.
 
 Driven by events, not a timer of its own: `on_resume` from the recovery dispatcher, and `tick` after
 every heartbeat and worker state change, so the renewals ride on the heartbeat cadence.
@@ -29,6 +31,7 @@ from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 log = structlog.get_logger("lumen.outage")
 
 _LEFT = frozenset({WorkerState.DRAINING, WorkerState.REMOVED})
+_NONE = (1.0, False)  # no boost, FIFO: what a worker does outside a recovery
 
 
 class OutageAdmission:
@@ -49,8 +52,8 @@ class OutageAdmission:
         self.recovering = False
         self.down_peak = 0  # the most workers out at once during this recovery
         self.boost = 1.0  # the factor granted now
-        # worker id -> (incarnation, boost, when) of the last grant sent to it
-        self._sent: dict[str, tuple[int, float, float]] = {}
+        # worker id -> (incarnation, (boost, shortest first), when) of the last grant sent to it
+        self._sent: dict[str, tuple[int, tuple[float, bool], float]] = {}
         self.recoveries = 0
 
     def on_resume(self) -> None:
@@ -81,16 +84,24 @@ class OutageAdmission:
     def _grant(self, serving: list[WorkerRecord]) -> None:
         now = self.clock()
         renew_after = self.lease_s / 3
+        sjf = self.recovering and self.params.shortest_first
+        grant = (self.boost, sjf)
         for w in serving:
             if w.engine is not EngineKind.LUMEN:
                 continue
             last = self._sent.get(w.id)
-            if self.boost <= 1 and (last is None or last[1] <= 1 or last[0] != w.incarnation):
+            current = last is not None and last[0] == w.incarnation
+            if grant == _NONE and not (current and last is not None and last[1] != _NONE):
                 continue  # nothing granted to this incarnation: nothing to withdraw
-            if last is not None and last[:2] == (w.incarnation, self.boost) and now - last[2] < renew_after:
+            if current and last is not None and last[1] == grant and now - last[2] < renew_after:
                 continue
             msg = pb.GatewayMessage(
-                set_admission=pb.SetAdmission(batch_boost=self.boost, lease_s=self.lease_s)
+                set_admission=pb.SetAdmission(
+                    batch_boost=self.boost,
+                    lease_s=self.lease_s,
+                    shortest_first=sjf,
+                    shortest_first_rate=self.params.shortest_first_rate,
+                )
             )
             if self.control.send(w.id, msg):
-                self._sent[w.id] = (w.incarnation, self.boost, now)
+                self._sent[w.id] = (w.incarnation, grant, now)
