@@ -184,7 +184,10 @@ class _Ring:
 
     def derive(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> _Ring | None:
         # the order depends on the ids only: unchanged unless a worker was added
-        return self if all(old is not None for old, _ in changes) else None
+        return self if self.update(changes) else None
+
+    def update(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> bool:
+        return all(old is not None for old, _ in changes)
 
 
 _RING = "holders.ring"
