@@ -99,7 +99,8 @@ def reassign_holders(
     """
     if need_bytes < 0:
         raise ValueError(f"need_bytes must be >= 0, got {need_bytes}")
-    count = params.replicas - len(set(alive_holders))
+    # (no set to make for no live holder: the common case, a new request's `choose_holders`)
+    count = params.replicas - len(set(alive_holders)) if alive_holders else params.replicas
     if count <= 0:
         return ()
     workers = view.workers
@@ -115,7 +116,9 @@ def reassign_holders(
         order = ring[start:] + ring[:start]
     else:
         order = load_table(view, params.load).ranked
-    taken_domains = {workers[h].failure_domain for h in alive_holders if h in workers}
+    taken_domains = (
+        {workers[h].failure_domain for h in alive_holders if h in workers} if alive_holders else set()
+    )
     if count == 1 and not taken_domains:
         # one holder to add and no domain to avoid (the common case, once per request): the scan
         # below then returns the first eligible candidate; this is that scan without its books
@@ -184,7 +187,10 @@ class _Ring:
 
     def derive(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> _Ring | None:
         # the order depends on the ids only: unchanged unless a worker was added
-        return self if all(old is not None for old, _ in changes) else None
+        return self if self.update(changes) else None
+
+    def update(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> bool:
+        return all(old is not None for old, _ in changes)
 
 
 _RING = "holders.ring"

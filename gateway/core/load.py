@@ -54,7 +54,8 @@ def estimated_load(w: WorkerView, params: LoadParams) -> float:
 class LoadTable:
     """The serving workers of one view by `(L̂, id)`, lowest first (and, on demand, `L̂` by id).
 
-    Immutable once built (a view's table is shared by every decision on that view).
+    Immutable once built (a view's table is shared by every decision on that view), but by `update`,
+    which only the sole owner of a view may use (`ClusterView.update_in_place`).
     """
 
     __slots__ = ("_loads", "_total", "params", "ranked")
@@ -90,16 +91,47 @@ class LoadTable:
         return self._total
 
     def derive(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> LoadTable | None:
-        if len(changes) > _MAX_INCREMENTAL:
+        try:
+            ranked = self._moved(changes, None, None)
+        except _Rebuild:
             return None
+        # a table is never changed once made (but by `update`), so an unchanged one is shared
+        return self if ranked is None else LoadTable(self.params, ranked)
+
+    def update(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> bool:
+        """`derive`, in this table itself (`ClusterView.update_in_place`: for a view's sole owner).
+
+        The table's `loads` are kept up to date as well (made at the first update): they are each
+        worker's `L̂` in the old view, read instead of computed again from its old version."""
+        try:
+            self._moved(changes, self.ranked, self.loads)
+        except _Rebuild:
+            return False  # the caller drops this table, partly moved as it may be
+        self._total = None
+        return True
+
+    def _moved(
+        self,
+        changes: list[tuple[WorkerView | None, WorkerView]],
+        ranked: list[tuple[float, WorkerId]] | None,
+        loads: dict[WorkerId, float] | None,
+    ) -> list[tuple[float, WorkerId]] | None:
+        """The ranking after `changes`, moved in `ranked` (None: in a copy of this table's, made at the
+        first change that moves a worker), and in `loads` if given (`L̂` by id, matching `ranked`:
+        each old `L̂` is read there). Returns the list changed (None: no worker moved and no list
+        given); raises `_Rebuild` when the changes cannot be applied incrementally."""
+        if len(changes) > _MAX_INCREMENTAL:
+            raise _Rebuild
         params = self.params
         alpha, beta, batch = params.alpha, params.beta, max(1, params.nominal_batch)
-        ranked: list[tuple[float, WorkerId]] | None = None  # copied at the first real change
         for was, w in changes:
             # L̂ before and after (None: not serving): estimated_load inlined, the same operations
             # and so the same floats; the table holds `was` at its L̂, as `was` is in the old view
+            wid = w.id
             old: float | None = None
-            if was is not None and was.state in SERVING:
+            if loads is not None:
+                old = loads.get(wid)
+            elif was is not None and was.state in SERVING:
                 cap = was.kv_capacity_tokens  # max(1, cap) without the call (an int: same value)
                 old = alpha * (was.ckpt_tokens / (cap if cap > 1 else 1)) + beta * (
                     (was.running + was.waiting + was.pending) / batch
@@ -114,16 +146,23 @@ class LoadTable:
                 continue  # same rank (None == None: neither serving)
             if ranked is None:
                 ranked = self.ranked.copy()
-            wid = w.id
             if old is not None:
                 i = bisect_left(ranked, (old, wid))
                 if i == len(ranked) or ranked[i][1] != wid:
-                    return None  # not where it should be (a non-finite L̂): rebuild
+                    raise _Rebuild  # not where it should be (a non-finite L̂): rebuild
                 del ranked[i]
             if new is not None:
                 insort(ranked, (new, wid))
-        # a table is never changed once made, so an unchanged one is shared
-        return self if ranked is None else LoadTable(params, ranked)
+            if loads is not None:
+                if new is None:
+                    del loads[wid]
+                else:
+                    loads[wid] = new
+        return ranked
+
+
+class _Rebuild(Exception):
+    """A table cannot follow the changes incrementally: it is rebuilt from the view on first use."""
 
 
 def _same_zero(a: float | None, b: float | None) -> bool:

@@ -79,10 +79,13 @@ class Derived(Protocol):
 
     `derive` returns the same table for `view.with_workers(...)`, given the old and new version of
     every worker that changed (old None: a new worker), or None when it cannot (it is then rebuilt
-    on first use).
+    on first use). `update` is the same for `view.update_in_place(...)`: it changes the table itself
+    and returns False when it cannot (the table is then dropped and rebuilt on first use).
     """
 
     def derive(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> Derived | None: ...
+
+    def update(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,31 @@ class ClusterView:
                 if updated is not None:
                     tables[key] = updated
         return view
+
+    def update_in_place(self, changed: Iterable[WorkerView]) -> None:
+        """Make this view `self.with_workers(changed)`, in place, for a shell that owns it alone.
+
+        A view is a value (see the class): only a shell that keeps no other reference to it, nor to
+        its workers mapping or its derived tables, across the call may use this. The simulator owns
+        its gateway's view this way and refreshes it for a few workers per decision, which then costs
+        no copy of the mapping and of each ranked table (`with_workers` copies both, so that views
+        already handed out stay as they were: what the live gateway needs). The result equals the
+        one `with_workers` gives, derived tables included (`tests/unit/test_core_view_update.py`).
+        """
+        workers = self.workers
+        if not isinstance(workers, dict):
+            raise TypeError("update_in_place needs a view whose workers mapping is a dict")
+        # applied one at a time, so a later version of an id sees the earlier one as its old version:
+        # the tables end as with_workers leaves them (the last version of each id wins)
+        changes: list[tuple[WorkerView | None, WorkerView]] = []
+        for w in changed:
+            changes.append((workers.get(w.id), w))
+            workers[w.id] = w
+        if changes and self.derived:
+            tables = self.derived
+            for key, table in list(tables.items()):
+                if not table.update(changes):
+                    del tables[key]
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ DETECT = 4  # the gateway detects failed workers; a = tuple of (worker, incarnat
 PHASE = 5  # a restarting worker reaches a phase; a = worker, b = (incarnation, state, reload or None)
 TICK = 6  # periodic sampling and draft-assist re-pairing
 GIVE_UP = 7  # a request that found no HEALTHY worker has waited long enough; a = request
-SEED = 8  # a seeded reload's transfer begins: the seed slows down; a = the reload (simulation._Reload)
+SEED = 8  # a seeded reload's transfer begins: the seed slows down; a = the reload (reloads.ActiveReload)
 RESTART = 9  # a hung worker still FAILED is killed and restarted; a = worker, b = its hung incarnation
 
 Event = tuple[float, int, int, Any, Any]

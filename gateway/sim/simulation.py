@@ -5,26 +5,15 @@ restores) or to the gateway side (arrivals, failures, detection, restarts, perio
 
 Failure model: a killed worker loses its requests' KV and its capacity at once; the gateway detects
 it `detection_s` later (requests it routes there meanwhile are lost too), dispatches every lost
-request (or, in mode `none`, fails it), and restarts the worker as a new incarnation. The restart
-loads the full model (`load_time`), or with draft assist the draft model first (DRAFT_READY: it
-drafts for the survivor Algorithm 3 picks) and then the full weights with no second engine start.
-A `slow` failure multiplies one worker's step times without killing it (a gray failure). A `hang`
-stops a worker as a kill does (its requests are lost with its KV), but nothing breaks: the gateway
-sees only silence, and the detection time comes from the live gateway's own verdict
-(`gateway.core.detector.hang_detection_s`: the worker's heartbeats every `heartbeat_interval_s`, the
-detector's tick, its probe going unanswered, the correlated-silence guard when most of the cluster
-hangs at once); the local supervisor then kills and restarts it `hung_restart_grace_s` after that.
-
-Seeded reload (`recovery.reload = "peer"`, issue 14): when the restart is launched, the core picks a
-seed survivor (`gateway.core.reload.choose_seed`: HEALTHY, not sending to another restart, least
-`L̂`, ties by id) and the full weights come from it at `peer_bw` per GPU instead of from disk; no
-seed: disk. The transfer is the last part of the load, ending when the full model serves, and for
-its duration the seed's steps are `seed_slowdown` times slower. The draft model always comes from
-disk (no survivor holds it: survivors serve only the target), and a restart loads it first only if
-it would be ready before the full model (`draft_first`), which a seeded full model usually beats. A
-seed lost before or during its transfer makes the restart load the weights from disk from then on
-(no second engine start-up: optimistic for SGLang, whose failed load would restart the process).
-Every reload is recorded (`result.Reload`): source, seed, phases, seconds.
+request (or, in mode `none`, fails it), and restarts the worker as a new incarnation, whose reload
+(`reloads.Reloads`: from disk or a seed survivor, with or without its draft model first) puts its
+phases on the timeline. A `slow` failure multiplies one worker's step times without killing it (a
+gray failure). A `hang` stops a worker as a kill does (its requests are lost with its KV), but
+nothing breaks: the gateway sees only silence, and the detection time comes from the live gateway's
+own verdict (`gateway.core.detector.hang_detection_s`: the worker's heartbeats every
+`heartbeat_interval_s`, the detector's tick, its probe going unanswered, the correlated-silence
+guard when most of the cluster hangs at once); the local supervisor then kills and restarts it
+`hung_restart_grace_s` after that.
 """
 
 from __future__ import annotations
@@ -34,7 +23,7 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
-from gateway.core.costmodel import CostModel, ReloadSource
+from gateway.core.costmodel import CostModel
 from gateway.core.detector import DetectorParams, hang_detection_s
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import checkpoint_coverage, holder_balance
@@ -44,62 +33,19 @@ from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
 from gateway.core.outage import OutageParams
 from gateway.core.pairing import PairingParams
-from gateway.core.reload import DraftFirst, draft_first
 from gateway.core.types import LoadParams
 from gateway.sim import events as ev
 from gateway.sim.coordinator import Coordinator, assist_gate, lag_per_token
 from gateway.sim.events import EventQueue
+from gateway.sim.reloads import ActiveReload, Reloads, ReloadTimes
 from gateway.sim.request import SimRequest
-from gateway.sim.result import Reload, RunResult, RunStats, Sample
+from gateway.sim.result import RunResult, RunStats, Sample
 from gateway.sim.scenario import FailureSpec, Scenario
 from gateway.sim.stepcost import StepCost
 from gateway.sim.worker import SimWorker
 from gateway.sim.workload import Workload
 
 S = WorkerState
-
-
-class _Reload:
-    """A restart's reload as it happens (`result.Reload` once the run ends)."""
-
-    __slots__ = (
-        "draft_first",
-        "draft_ready_s",
-        "gen",
-        "incarnation",
-        "seed",
-        "serving_s",
-        "slowing",
-        "source",
-        "started_s",
-        "transfer_s",
-        "transfer_start",
-        "worker",
-    )
-
-    def __init__(self, worker: SimWorker, now: float, seed: SimWorker | None, first: bool) -> None:
-        self.worker, self.incarnation, self.started_s = worker, worker.incarnation, now
-        self.seed, self.draft_first = seed, first
-        self.source = ReloadSource.PEER.value if seed is not None else ReloadSource.DISK.value
-        self.draft_ready_s: float | None = None
-        self.serving_s: float | None = None
-        self.transfer_s = 0.0
-        self.transfer_start = now
-        self.slowing = False  # the seed's steps are slowed now
-        self.gen = 0  # the HEALTHY event of this generation is the live one (a fallback moves it)
-
-    def record(self) -> Reload:
-        return Reload(
-            self.worker.id,
-            self.incarnation,
-            self.started_s,
-            self.source,
-            None if self.seed is None else self.seed.id,
-            self.draft_first,
-            self.draft_ready_s,
-            self.serving_s,
-            self.transfer_s,
-        )
 
 
 class Simulation:
@@ -110,27 +56,7 @@ class Simulation:
         self.scenario, self.policy, self.seed = scenario, policy, seed
         self.cost = CostModel.preset(c.model, c.gpu, c.tp or None)
         draft_cost = CostModel.preset(c.draft_model, c.gpu)
-        self.full_load_s = c.model_load_s if c.model_load_s >= 0 else self.cost.load_time()
-        self.draft_load_s = c.draft_load_s if c.draft_load_s >= 0 else draft_cost.load_time()
-        self.weights_load_s = self.cost.load_time(engine_startup_s=0.0)  # a broken seed's rest: no restart
-        # a restart that loads its draft first (core/reload.py DraftFirst, as Lumen's worker plans it):
-        # the full model serves the draft's weights later than a plain restart, and this long after
-        # the draft is ready
-        self.draft_plan = DraftFirst(self.full_load_s, self.draft_load_s, draft_cost.weights_time())
-        self.after_draft_s = self.draft_plan.window_s
-        # seeded reload: the same with the weights from a survivor
-        self.reload_source = rec.reload
-        peer_bw = c.peer_bw or None
-        self.peer_weights_s = self.cost.weights_time(ReloadSource.PEER, peer_bw)
-        self.peer_load_s = (
-            c.peer_load_s
-            if c.peer_load_s >= 0
-            else self.cost.load_time(source=ReloadSource.PEER, peer_bw=peer_bw)
-        )
-        self.seed_slowdown = rec.seed_slowdown or self.cost.seed_slowdown(peer_bw)
-        self.reloads: list[_Reload] = []
-        self.reloading: dict[SimWorker, _Reload] = {}  # restarting worker -> its reload
-        self.sending: dict[SimWorker, _Reload] = {}  # seed -> the reload it is reserved for
+        times = ReloadTimes(c, rec, self.cost, draft_cost)
         kv_capacity = c.kv_capacity_tokens or self.cost.kv_capacity_tokens()
         self.queue = EventQueue()
         step = StepCost(self.cost)
@@ -169,9 +95,9 @@ class Simulation:
                     draft_cost,
                     c.max_running_requests,
                     # the delay a draft-first restart costs against a plain one, and how long its
-                    # drafter drafts
-                    load_delay_s=self.draft_plan.delay_s,
-                    assist_window_s=self.draft_plan.window_s,
+                    # drafter drafts (core/reload.py DraftFirst)
+                    load_delay_s=times.draft_plan.delay_s,
+                    assist_window_s=times.draft_plan.window_s,
                 ),
             ),
             scenario.draft,
@@ -187,6 +113,7 @@ class Simulation:
                 rec.outage_shortest_first_rate,
             ),
         )
+        self.reloads = Reloads(times, rec.reload, policy, self.coord, self.queue)
         self.failures: tuple[FailureSpec, ...] = scenario.failures if failures else ()
         self.detector = DetectorParams(interval_s=rec.heartbeat_interval_s)
         self.hung: set[SimWorker] = set()  # hung, not yet restarted
@@ -284,7 +211,7 @@ class Simulation:
             self.gw_waiting.remove(a)
             self._fail(a, t)
         elif kind == ev.SEED:
-            self._seed_sends(a, b, t)
+            self.reloads.seed_sends(a, b, t)
         elif kind == ev.RESTART:
             self._restart_hung(a, b, t)
 
@@ -378,8 +305,7 @@ class Simulation:
             self.balance_taken = True
             self.balance = holder_balance(w.ckpt_tokens for w in self.workers if w.state is S.HEALTHY)
         dead = set(victims)
-        if self.reloading:
-            self._reloads_struck(victims, now)
+        self.reloads.struck(victims, now)
         for w in victims:
             self.coord.freeze(w)
             tally: dict[str, int] = {}
@@ -450,7 +376,7 @@ class Simulation:
                 continue
             w.restart()
             coord.set_state(w, S.RESTARTING)
-            self._start_reload(w, now)
+            self.reloads.start(w, now)
 
     def _restart_hung(self, w: SimWorker, incarnation: int, now: float) -> None:
         if w.incarnation != incarnation or w not in self.hung:
@@ -458,82 +384,15 @@ class Simulation:
         self.hung.discard(w)
         w.restart()
         self.coord.set_state(w, S.RESTARTING)
-        self._start_reload(w, now)
+        self.reloads.start(w, now)
 
-    # -- reloads ------------------------------------------------------------------------------------
-    def _start_reload(self, w: SimWorker, now: float) -> None:
-        """Launch w's reload: its seed (peer reload) or disk, then its phases on the timeline."""
-        seed = None
-        if self.reload_source == ReloadSource.PEER:
-            seed = self.coord.choose_seed(w, [s.id for s in self.sending])
-        full = self.full_load_s if seed is None else self.peer_load_s
-        # the draft first only if it would be ready first and the cost gate would pair it now
-        first = (
-            self.policy.draft_assist and draft_first(self.draft_load_s, full) and self.coord.assist_wanted()
-        )
-        rl = _Reload(w, now, seed, first)
-        self.reloads.append(rl)
-        self.reloading[w] = rl
-        inc, q = w.incarnation, self.queue
-        if first:
-            ready = now + self.draft_load_s
-            q.push(ready, ev.PHASE, w, (inc, S.DRAFT_READY, rl, 0))
-            serving = ready + (self.after_draft_s if seed is None else self.peer_weights_s)
-        else:
-            serving = now + full
-        if seed is not None:
-            self.sending[seed] = rl
-            rl.transfer_s = min(self.peer_weights_s, serving - now)  # the weights come last
-            rl.transfer_start = serving - rl.transfer_s
-            q.push(rl.transfer_start, ev.SEED, rl, 0)
-        q.push(serving, ev.PHASE, w, (inc, S.HEALTHY, rl, 0))
-
-    def _seed_sends(self, rl: _Reload, gen: int, now: float) -> None:
-        seed = rl.seed
-        if rl.gen == gen and seed is not None and self.sending.get(seed) is rl and seed.alive:
-            rl.slowing = True
-            seed.set_send_slowdown(self.seed_slowdown, now)
-
-    def _end_transfer(self, rl: _Reload, now: float) -> None:
-        seed = rl.seed
-        if seed is not None and self.sending.get(seed) is rl:
-            del self.sending[seed]
-            if rl.slowing and seed.alive:
-                seed.set_send_slowdown(1.0, now)
-        rl.slowing = False
-
-    def _reloads_struck(self, victims: list[SimWorker], now: float) -> None:
-        """Kills among reloads: a killed restart frees its seed; a killed seed's restart falls back."""
-        for w in victims:
-            rl = self.reloading.pop(w, None)
-            if rl is not None:  # killed while loading: its events die with its incarnation
-                self._end_transfer(rl, now)
-        for w in victims:
-            rl = self.sending.pop(w, None)
-            if rl is None:
-                continue
-            # the transfer breaks (or never starts): the rest of the weights come from disk
-            rl.gen += 1
-            rl.slowing = False
-            rl.source = f"{ReloadSource.PEER.value}>{ReloadSource.DISK.value}"
-            rl.transfer_s = max(0.0, now - rl.transfer_start)
-            serving = max(now, rl.transfer_start) + self.weights_load_s
-            r = rl.worker
-            self.queue.push(serving, ev.PHASE, r, (rl.incarnation, S.HEALTHY, rl, rl.gen))
-
-    def _phase(self, w: SimWorker, b: tuple[int, WorkerState, _Reload, int], now: float) -> None:
+    def _phase(self, w: SimWorker, b: tuple[int, WorkerState, ActiveReload, int], now: float) -> None:
+        """A restarting worker reaches a phase of its reload (DRAFT_READY, HEALTHY)."""
         incarnation, state, rl, gen = b
         if w.incarnation != incarnation or not w.alive:
             return
-        if state is S.HEALTHY:
-            if gen != rl.gen:
-                return  # superseded: the seed was lost, the weights come from disk later
-            rl.serving_s = now
-            self._end_transfer(rl, now)
-            if self.reloading.get(w) is rl:
-                del self.reloading[w]
-        elif state is S.DRAFT_READY:
-            rl.draft_ready_s = now
+        if not self.reloads.reached(w, state, rl, gen, now):
+            return  # superseded: the seed was lost, the weights come from disk later
         self.coord.set_state(w, state)
         self.coord.repair(now)
         if state is S.HEALTHY and self.gw_waiting:
@@ -558,7 +417,7 @@ class Simulation:
             pairings=len(ks),
             events=events,
             degradations=self.degradations,
-            reloads=tuple(rl.record() for rl in self.reloads),
+            reloads=self.reloads.records(),
         )
         return RunResult.collect(
             self.requests, self.failures, self.now, [w.id for w in self.workers], self.samples, stats

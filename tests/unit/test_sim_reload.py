@@ -65,7 +65,9 @@ def test_a_peer_reload_finishes_the_restart_earlier_than_disk(mode: str) -> None
         assert d.draft_first and d.draft_ready_s is not None
         assert not p.draft_first and p.draft_ready_s is None
     # the transfer is over and the seed runs at full speed again
-    assert not sim.sending and not sim.reloading and all(w.send_slow == 1.0 for w in sim.workers)
+    assert (
+        not sim.reloads.sending and not sim.reloads.reloading and all(w.send_slow == 1.0 for w in sim.workers)
+    )
     for res in (disk, peer):
         o = outcomes(res.records)
         assert o.errors == 0 and o.completed == o.total
@@ -108,7 +110,7 @@ def test_a_lost_seed_makes_the_restart_fall_back_to_disk() -> None:
     # w1's own restart finds no survivor to seed from (w0 is still loading): disk
     assert second.worker == "w1" and second.seed is None and second.source == "disk"
     assert second.reload_s == pytest.approx(COST.load_time())
-    assert not sim.sending and not sim.reloading
+    assert not sim.reloads.sending and not sim.reloads.reloading
 
 
 def test_a_seed_is_never_shared_and_a_killed_restart_frees_its_seed() -> None:
@@ -125,7 +127,7 @@ def test_a_seed_is_never_shared_and_a_killed_restart_frees_its_seed() -> None:
     first, second = res.stats.reloads
     assert first.serving_s is None and first.reload_s is None  # never served
     assert second.seed is not None and second.serving_s is not None
-    assert not sim.sending and all(w.send_slow == 1.0 for w in sim.workers)
+    assert not sim.reloads.sending and all(w.send_slow == 1.0 for w in sim.workers)
 
 
 def test_scenario_keys_and_cli_flag(tmp_path: Path) -> None:
@@ -170,7 +172,7 @@ def test_peer_reloads_conserve_every_request(failures: Any) -> None:
         o = outcomes(res.records)
         assert o.completed + o.errors == o.total
         assert all(rl.serving_s is not None for rl in res.stats.reloads)
-        assert not sim.sending and not sim.reloading
+        assert not sim.reloads.sending and not sim.reloads.reloading
         if len(failures[0].get("workers", ())) == 4:
             assert all(rl.source == "disk" for rl in res.stats.reloads)
         else:
