@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from gateway.protocol.generate import SamplingParams
 from models.paging import pages_for
 from models.synthetic import SyntheticModel, expected_output
+from worker_hooks.engine.admission import aged_shortest_first
 from worker_hooks.engine.pages import PagePool, PagePoolError
 from worker_hooks.engine.scheduler import Emission, Scheduler, StepResult
 
@@ -251,8 +252,6 @@ def test_resumed_requests_queue_ahead_of_new_ones_in_arrival_order() -> None:
 
 
 def test_a_recovery_orders_the_queue_shortest_prefill_first_aged_and_then_back_to_fifo() -> None:
-    from worker_hooks.engine.engine import _aged_shortest_first
-
     s = make(max_running=1)
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     # (rid, prompt tokens, queued at, resumed)
@@ -265,11 +264,11 @@ def test_a_recovery_orders_the_queue_shortest_prefill_first_aged_and_then_back_t
         seq.enqueued_at, seq.resumed = at, resumed
         s.add(seq)
     assert [q.rid for q in s.waiting] == ["r", "long", "short"]
-    s.set_rank(_aged_shortest_first(0.0))  # not aged: shortest first after the resumed one
+    s.set_rank(aged_shortest_first(0.0))  # not aged: shortest first after the resumed one
     assert [q.rid for q in s.waiting] == ["r", "short", "long"]
-    s.set_rank(_aged_shortest_first(10_000.0))  # 2,900 more tokens are worth only 0.29 s: long first
+    s.set_rank(aged_shortest_first(10_000.0))  # 2,900 more tokens are worth only 0.29 s: long first
     assert [q.rid for q in s.waiting] == ["r", "long", "short"]
-    s.set_rank(_aged_shortest_first(1_000.0))  # ... 2.9 s: the short one (0.5 s later) first
+    s.set_rank(aged_shortest_first(1_000.0))  # ... 2.9 s: the short one (0.5 s later) first
     late = s.make_seq("late", list(range(1, 51)), params)
     late.enqueued_at = 4.0  # 50 tokens at 4 s ranks 4.05: behind long (3.0), ahead of nothing else
     s.add(late)

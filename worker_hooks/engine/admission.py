@@ -10,11 +10,17 @@ ordering withdraws that gateway's at once.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
 
-from gateway.core.outage import admission_limit
+import structlog
+
+from gateway.core.outage import OutageParams, admission_limit, queue_rank
+from worker_hooks.engine.scheduler import BatchScheduler, Seq
+
+log = structlog.get_logger(__name__)
 
 MAX_BOOST = 8.0  # a grant above this is a bug or a hostile message: clamped
 MAX_LEASE_S = 60.0
@@ -71,3 +77,67 @@ class AdmissionLeases:
         now = self.clock()
         for src in [s for s, g in self._grants.items() if g[1] <= now]:
             del self._grants[src]
+
+
+def aged_shortest_first(rate: float) -> Callable[[Seq], tuple[int, float]]:
+    """The queue rank of a recovery (gateway.core.outage.queue_rank): resumed first, then the fewest
+    tokens to prefill, aged at `rate` tokens per second of waiting (0: not aged)."""
+    params = OutageParams(shortest_first=True, shortest_first_rate=rate)
+
+    def rank(seq: Seq) -> tuple[int, float]:
+        prefill = max(1, len(seq.prompt) - seq.restored)
+        return queue_rank(2 if seq.resumed else 1, prefill, params, True, seq.enqueued_at)
+
+    return rank
+
+
+class Admission:
+    """The leases applied to one engine's scheduler: its batch limit and queue order follow the live
+    grants, and are looked at again when the earliest of them ends (a timer on the running loop)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        scheduler: BatchScheduler,
+        base: int,
+        wake: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.worker_id = worker_id
+        self.scheduler = scheduler
+        self.leases = AdmissionLeases(base, clock)
+        self.wake = wake  # the step loop: a raised limit may admit queued requests now
+        self._timer: asyncio.TimerHandle | None = None
+        self._rate: float | None = None  # the aged shortest-first order in force (None: FIFO)
+
+    def grant(self, source: str, boost: float, lease_s: float, shortest_first_rate: float | None) -> int:
+        self.leases.grant(source, boost, lease_s, shortest_first_rate)
+        return self.apply()
+
+    def clear(self) -> None:
+        self.leases.clear()
+        self.apply()
+
+    def apply(self) -> int:
+        """Set the scheduler's batch limit and queue order to what the live leases say. A lower limit
+        preempts nothing: it admits less until the batch shrinks."""
+        rate = self.leases.shortest_first_rate()
+        if rate != self._rate:
+            self._rate = rate
+            self.scheduler.set_rank(None if rate is None else aged_shortest_first(rate))
+            log.info("queue order", worker_id=self.worker_id, shortest_first_rate=rate)
+        limit = self.leases.limit()
+        old = self.scheduler.max_running
+        if limit != old:
+            self.scheduler.max_running = limit
+            log.info("batch limit", worker_id=self.worker_id, max_running=limit, was=old)
+            if limit > old:
+                self.wake()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        until = self.leases.next_expiry()
+        if until is not None:
+            delay = max(0.0, until - self.leases.clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self.apply)
+        return limit

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,14 +26,14 @@ import structlog
 
 from gateway.core.costmodel import CostModel
 from gateway.core.health import Phase
-from gateway.core.outage import OutageParams, queue_first, queue_rank
+from gateway.core.outage import OutageParams, queue_first
 from gateway.protocol.generate import FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.planes import PlaneAuth
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
 from models.synthetic import SyntheticModel
 from worker_hooks.engine import errors
-from worker_hooks.engine.admission import AdmissionLeases
+from worker_hooks.engine.admission import Admission
 from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.draft_assist import Assist
 from worker_hooks.engine.handle import RequestHandle
@@ -78,18 +77,6 @@ class EngineStats:
     steps_total: int
     modelled_s_total: float  # modelled time of every step so far (restores included)
     busy_s_total: float  # wall time the step loop spent outside its sleeps
-
-
-def _aged_shortest_first(rate: float) -> Callable[[Seq], tuple[int, float]]:
-    """The queue rank of a recovery (gateway.core.outage.queue_rank): resumed first, then the fewest
-    tokens to prefill, aged at `rate` tokens per second of waiting (0: not aged)."""
-    params = OutageParams(shortest_first=True, shortest_first_rate=rate)
-
-    def rank(seq: Seq) -> tuple[int, float]:
-        prefill = max(1, len(seq.prompt) - seq.restored)
-        return queue_rank(2 if seq.resumed else 1, prefill, params, True, seq.enqueued_at)
-
-    return rank
 
 
 class Engine:
@@ -142,9 +129,7 @@ class Engine:
             on_failure=self._step_failed,
         )
         # the batch limit while the cluster recovers: the gateways' leases of a larger one (admission.py)
-        self.admission = AdmissionLeases(spec.max_running_requests)
-        self._admission_timer: asyncio.TimerHandle | None = None
-        self._queue_rate: float | None = None  # the aged shortest-first order in force (None: FIFO)
+        self.admission = Admission(self.worker_id, self.scheduler, spec.max_running_requests, self.steps.wake)
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self._replanned = asyncio.Event()  # skip_draft replaced the load plan
@@ -259,34 +244,8 @@ class Engine:
         self, source: str, boost: float, lease_s: float, shortest_first_rate: float | None = None
     ) -> int:
         """A gateway's lease of a larger batch and an aged shortest-first queue while the cluster
-        recovers (`SetAdmission`); the batch limit now."""
-        self.admission.grant(source, boost, lease_s, shortest_first_rate)
-        return self._apply_admission()
-
-    def _apply_admission(self) -> int:
-        """Set the scheduler's batch limit and queue order to what the live leases say, and look again
-        when the earliest of them ends. A lower limit preempts nothing: it admits less until the batch
-        shrinks."""
-        rate = self.admission.shortest_first_rate()
-        if rate != self._queue_rate:
-            self._queue_rate = rate
-            self.scheduler.set_rank(None if rate is None else _aged_shortest_first(rate))
-            log.info("queue order", worker_id=self.worker_id, shortest_first_rate=rate)
-        limit = self.admission.limit()
-        old = self.scheduler.max_running
-        if limit != old:
-            self.scheduler.max_running = limit
-            log.info("batch limit", worker_id=self.worker_id, max_running=limit, was=old)
-            if limit > old:
-                self.steps.wake()
-        if self._admission_timer is not None:
-            self._admission_timer.cancel()
-            self._admission_timer = None
-        until = self.admission.next_expiry()
-        if until is not None:
-            delay = max(0.0, until - self.admission.clock())
-            self._admission_timer = asyncio.get_running_loop().call_later(delay, self._apply_admission)
-        return limit
+        recovers (`SetAdmission`, admission.py); the batch limit now."""
+        return self.admission.grant(source, boost, lease_s, shortest_first_rate)
 
     def reset_incarnation(self) -> int:
         """Become a new incarnation: nobody trusts our in-flight requests any more (DESIGN 4.3)."""
@@ -297,7 +256,6 @@ class Engine:
         self.ckpt.reset(self.incarnation)
         self.assist.reset()  # the gateway drops every pair of the old incarnation without telling us
         self.admission.clear()  # grants were to the old incarnation
-        self._apply_admission()
         log.info("incarnation reset", worker_id=self.worker_id, old=old, new=self.incarnation, aborted=n)
         return self.incarnation
 
