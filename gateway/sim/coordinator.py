@@ -15,7 +15,7 @@ is the smaller of what the bulk transfer has moved and the full pages produced b
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Collection
 
 from gateway.core.costmodel import CostModel
@@ -24,7 +24,7 @@ from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.outage import OutageParams, admission_limit, backlog_drained, outage_boost, queue_rank
+from gateway.core.outage import OutageParams
 from gateway.core.pairing import (
     PairingParams,
     draft_first_pays,
@@ -45,10 +45,11 @@ from gateway.core.speculation import (
 )
 from gateway.core.types import ClusterView, LoadParams, WorkerView
 from gateway.sim.fastvalues import worker_view
+from gateway.sim.outage import SimOutage
 from gateway.sim.request import SimRequest
 from gateway.sim.scenario import DraftSpec
 from gateway.sim.stepcost import StepCost
-from gateway.sim.worker import SimWorker, fifo_rank
+from gateway.sim.worker import SimWorker
 
 
 class Coordinator:
@@ -83,12 +84,9 @@ class Coordinator:
         self.restored_tokens = 0
         self.spec_ks: list[int] = []
         # survivors' admission while a failure's outage or backlog lasts (gateway.core.outage)
-        self.outage = outage or OutageParams()
-        self.recovering = False
-        self.down_peak = 0  # the most workers out at once during the current recovery
+        self.outage = SimOutage(workers, outage or OutageParams(), policy.outage_admission)
         # the load's shape as completed requests show it: the draft-assist gate judges it
         self.shape = LoadShape()
-        self.base_running = workers[0].max_running if workers else 0
         self.refresh_all()
 
     # -- the view ---------------------------------------------------------------------------------
@@ -183,7 +181,7 @@ class Coordinator:
             by_id = self.by_id
             holders = (by_id[chosen[0]],) if len(chosen) == 1 else tuple([by_id[h] for h in chosen])
             self._charge(r, holders, expected)
-        w.enqueue(r, now, self._rank(r))
+        w.enqueue(r, now, self.outage.rank(r))
 
     def _charge(self, r: SimRequest, holders: tuple[SimWorker, ...], tokens: int) -> None:
         nbytes = tokens * self.kvb
@@ -266,8 +264,8 @@ class Coordinator:
         decision: Decision = dispatch(self.view(), ir, self.dispatch_params, self.cost)
         if decision.worker is None:
             return False
-        if not self.recovering:
-            self._set_recovering(True, now)
+        if not self.outage.recovering:
+            self._admitting(self.outage.set_recovering(True, now))
         self.decisions[decision.action] += 1
         target = self.by_id[decision.worker]
         # the engine finds r's pages in its own store by prefix lookup, whatever the rule called it
@@ -283,50 +281,15 @@ class Coordinator:
         wid = choose_seed(self.view(), w.id, self.load, busy)
         return None if wid is None else self.by_id[wid]
 
-    # -- the outage: survivors' queue order and batch limit (gateway.core.outage) -------------------
-    def _rank(self, r: SimRequest) -> tuple[int, float]:
-        prefill = r.prompt + r.emitted - r.restored  # max(1, r.context - r.restored): a call to max
-        shaping = self.recovering and self.policy.outage_admission  # Lumen's modes only
-        return queue_rank(r.attempts, prefill if prefill > 1 else 1, self.outage, shaping, r.arrival)
-
-    def _set_recovering(self, on: bool, now: float) -> None:
-        self.recovering = on
-        self.down_peak = 0
-        if self.outage.shortest_first and self.policy.outage_admission:  # by prefill while recovering
-            rank = self._rank if on else fifo_rank
-            for w in self.workers:
-                w.rank_of = rank
-                w.waiting = deque(sorted(w.waiting, key=rank))
-        self._admit(now)
-
-    def _admit(self, now: float) -> None:
-        """Every worker's batch limit for the recovery as it stands (`outage_boost`): the live
-        gateway's OutageAdmission sends the same factor to Lumen's workers."""
-        if self.recovering and self.policy.outage_admission:
-            down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY or not w.alive)
-            self.down_peak = max(self.down_peak, down)
-        boost = outage_boost(
-            self.outage, self.recovering and self.policy.outage_admission, len(self.workers), self.down_peak
-        )
-        limit = admission_limit(self.base_running, boost)
-        self.pairing_params = with_batch_limit(self.pairing_params, limit)
-        for w in self.workers:
-            if w.max_running != limit:
-                w.max_running = limit
-                if w.alive:
-                    w.kick(now)
-
+    # -- the outage: survivors' queue order and batch limit (gateway/sim/outage.py) ---------------
     def check_backlog(self, now: float) -> None:
-        """End the recovery once every worker serves and the queues hold no backlog; while it lasts,
-        raise the batch limit if more workers are out than before."""
-        if not self.recovering:
-            return
-        serving = [w for w in self.workers if w.state is WorkerState.HEALTHY and w.alive]
-        waiting = sum(len(w.waiting) for w in serving)
-        if backlog_drained(waiting, len(serving), len(serving) == len(self.workers)):
-            self._set_recovering(False, now)
-        elif len(self.workers) - len(serving) > self.down_peak and self.policy.outage_admission:
-            self._admit(now)
+        """End the recovery once the backlog has drained (or raise the boost if more are out)."""
+        self._admitting(self.outage.check(now))
+
+    def _admitting(self, limit: int | None) -> None:
+        """The draft-assist gate judges the batch limit in force (`pairing.with_batch_limit`)."""
+        if limit is not None:
+            self.pairing_params = with_batch_limit(self.pairing_params, limit)
 
     # -- draft assist (Algorithm 3) ---------------------------------------------------------------
     def assist_wanted(self) -> bool:
