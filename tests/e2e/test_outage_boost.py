@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from tests.e2e.conftest import assert_exact, kill_busiest, make_requests, run_requests, wait_for
 
 
@@ -14,6 +16,7 @@ def limits(ws: list[dict[str, Any]]) -> dict[str, int]:
     return {w["id"]: w["batch_limit"] for w in ws if w["state"] == "HEALTHY"}
 
 
+@pytest.mark.slow  # in process: integration/test_outage_admission.py, unit/test_admission_leases.py
 async def test_the_survivor_runs_a_larger_batch_while_the_cluster_recovers(cluster_factory) -> None:
     # 2 workers of 4 slots; one dies: the survivor gets min(1.5, 2/1) x 4 = 6 until the killed one
     # serves again and the backlog has drained
