@@ -18,7 +18,7 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.outage import OutageParams, admission_limit
+from gateway.core.outage import BOOST_LEASE_S, OutageParams, admission_limit
 from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
 from gateway.core.reload import DraftFirst
 from gateway.core.router import routing_params
@@ -131,8 +131,14 @@ class Gateway:
             r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
         )
         if self.policy.outage_admission and (outage.batch_boost > 1 or outage.shortest_first):
+            # renewed on heartbeats: a lease must outlast a few of them
+            beats_s = 3 * config.health.heartbeat_interval_ms / 1000
             self.outage = OutageAdmission(
-                monitor=self.monitor, control=self.control, params=outage, clock=time.monotonic
+                monitor=self.monitor,
+                control=self.control,
+                params=outage,
+                clock=time.monotonic,
+                lease_s=max(BOOST_LEASE_S, beats_s),
             )
             self.control.heartbeat_hooks.append(lambda _rec, _beat: self._outage_tick())
             self.monitor.on_state_change.append(lambda _ev: self._outage_tick())

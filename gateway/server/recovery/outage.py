@@ -35,6 +35,9 @@ _NONE = (1.0, False)  # no boost, FIFO: what a worker does outside a recovery
 
 
 class OutageAdmission:
+    """One gateway's judgement of the current recovery and its grants to Lumen's workers (see above);
+    `boost` and `recovering` are what it granted last."""
+
     def __init__(
         self,
         *,
