@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import structlog
 
@@ -26,7 +26,7 @@ from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
 from gateway.server.workers.fences import FenceLedger
-from gateway.server.workers.probe import HttpProbe
+from gateway.server.workers.probe import HttpProbe, Prober
 from gateway.server.workers.records import (
     AttachRefused,
     Clock,
@@ -34,26 +34,16 @@ from gateway.server.workers.records import (
     StateEvent,
     WorkerRecord,
     phase_of,
+    reload_note,
 )
 
 log = structlog.get_logger("lumen.monitor")
 
 __all__ = ["AttachRefused", "LoadMonitor", "Prober", "StateEvent", "WorkerRecord", "phase_of", "reload_note"]
 
-# `await prober(http_url)`: True (the worker's process answered), False (refused: it is gone), None
-Prober = Callable[[str], Awaitable[bool | None]]
 # expired records whose last incarnation is remembered (fencing), oldest forgotten first
 TOMBSTONES_MAX = 4096
 EXPIRY_SWEEP_S = 1.0
-
-
-def reload_note(seconds: float, source: str, seed: str) -> str:
-    """A reload in the timeline: "reloaded from s1 (peer) in 3.20 s", "reloaded from storage (disk) in
-    41.00 s, seed s1 failed"."""
-    if source == "peer":
-        return f"reloaded from {seed or 'a peer'} (peer) in {seconds:.2f} s"
-    failed = f", seed {seed} failed" if seed else ""
-    return f"reloaded from storage ({source}) in {seconds:.2f} s{failed}"
 
 
 class LoadMonitor:
