@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 
 import structlog
@@ -25,6 +25,7 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
+from gateway.server.workers.expiry import RecordExpiry
 from gateway.server.workers.fences import FenceLedger
 from gateway.server.workers.probe import HttpProbe, Prober
 from gateway.server.workers.records import (
@@ -36,14 +37,11 @@ from gateway.server.workers.records import (
     phase_of,
     reload_note,
 )
+from gateway.server.workers.views import ViewCache
 
 log = structlog.get_logger("lumen.monitor")
 
 __all__ = ["AttachRefused", "LoadMonitor", "Prober", "StateEvent", "WorkerRecord", "phase_of", "reload_note"]
-
-# expired records whose last incarnation is remembered (fencing), oldest forgotten first
-TOMBSTONES_MAX = 4096
-EXPIRY_SWEEP_S = 1.0
 
 
 class LoadMonitor:
@@ -74,16 +72,10 @@ class LoadMonitor:
         self.prober = prober
         self._probes: set[asyncio.Task[None]] = set()
         self.stall_forgiven_s = 0.0  # the gateway's own stalls, not counted as anyone's silence
-        # FAILED and REMOVED records are dropped this long after; their last incarnation is kept
-        self.record_retention_s = record_retention_s
-        self._tombstones: OrderedDict[str, tuple[int, bool]] = OrderedDict()
         # fences that outlive this process (gateway.state_dir): what an earlier run of this gateway
         # fenced is refused from the start, and every new fence is written before it takes effect
         self.fences = fences
-        if fences is not None:
-            for worker, incarnation in fences.fences.items():
-                self._tombstones[worker] = (incarnation, False)
-        self._last_sweep: float | None = None
+        self.expiry = RecordExpiry(record_retention_s, fences)
         self.workers: dict[str, WorkerRecord] = {}
         self.events: deque[StateEvent] = deque(maxlen=10_000)
         self._sub_ids = itertools.count(1)
@@ -94,27 +86,19 @@ class LoadMonitor:
         self.measure_tokens = False
         self.token_half_life_s = 2.0
         self.token_min = 32
-        # the ClusterView last made by view(), and the records changed since (see WorkerRecord)
-        self._view: ClusterView | None = None
-        self._changed: list[WorkerRecord] = []
-        # the view before the last one, and the ids view() updated from it (None: rebuilt)
-        self._prev_view: ClusterView | None = None
-        self._prev_changes: tuple[str, ...] | None = None
+        self.views = ViewCache()
+
+    @property
+    def record_retention_s(self) -> float:
+        return self.expiry.retention_s
 
     # -- attach / heartbeat / detach ------------------------------------------------------------
     def attach(self, hello: pb.Hello) -> WorkerRecord:
         """Register a worker incarnation. A stale or duplicate incarnation is refused (fencing)."""
         now = self.clock()
         old = self.workers.get(hello.worker_id)
-        gone = self._tombstones.get(hello.worker_id) if old is None else None
-        if gone is not None:  # an expired record: still fenced
-            last, removed = gone
-            if removed:
-                raise AttachRefused(f"worker {hello.worker_id} was removed")
-            if hello.incarnation <= last:
-                raise AttachRefused(
-                    f"incarnation {hello.incarnation} is not newer than {last} for worker {hello.worker_id}"
-                )
+        # an expired record: still fenced
+        expired = self.expiry.check_attach(hello.worker_id, hello.incarnation) if old is None else False
         if old is not None:
             if hello.incarnation <= old.incarnation:
                 raise AttachRefused(
@@ -126,7 +110,7 @@ class LoadMonitor:
                 self._fail(old, "replaced by a new incarnation")
         phase = phase_of(hello.phase)
         if old is None:
-            state = WorkerState.JOINING if gone is None else WorkerState.RESTARTING
+            state = WorkerState.RESTARTING if expired else WorkerState.JOINING
         elif old.state is WorkerState.REMOVED:
             raise AttachRefused(f"worker {hello.worker_id} was removed")
         else:
@@ -152,9 +136,8 @@ class LoadMonitor:
             attached_at=now,
         )
         rec.detector = HeartbeatDetector(self.detector_params, now)
-        self._tombstones.pop(rec.id, None)
-        rec._changed = self._changed
-        self._changed.append(rec)
+        self.expiry.forget(rec.id)
+        self.views.track(rec)
         self.workers[rec.id] = rec
         self._record(rec, old.state if old else None, state, "attached")
         self._apply_phase(rec, phase)
@@ -222,7 +205,7 @@ class LoadMonitor:
     def tick(self) -> None:
         """One pass of the detector (every half interval): forgive the gateway's own stall, judge every
         live worker's silence (core/detector.py), apply the verdicts, send the probes they ask for,
-        and expire old records."""
+        and expire old records (expiry.py)."""
         now = self.clock()
         stall = fd.gateway_stall(self._last_tick, now, self.tick_period_s)
         self._last_tick = now
@@ -257,7 +240,8 @@ class LoadMonitor:
                 self._set(rec, v.state, v.why)
             if v.probe:
                 self._send_probe(rec, det, now)
-        self._expire(now)
+        if self.expiry.expire(self.workers, now):
+            self.views.invalidate()  # rebuilt without them (with_workers only adds and updates)
 
     def _detector_of(self, rec: WorkerRecord) -> HeartbeatDetector:
         """`rec`'s detector, for its own heartbeat interval (a polled SGLang server's is its poll's)."""
@@ -302,31 +286,6 @@ class LoadMonitor:
         rec.detector.probe_answered(answer)
         log.debug("probe_answered", worker=rec.id, incarnation=rec.incarnation, alive=answer)
 
-    def _expire(self, now: float) -> None:
-        """Drop FAILED and REMOVED records `record_retention_s` after they ended (a worker that never
-        came back, a refused impostor's failed attach), keeping their last incarnation for fencing."""
-        if self._last_sweep is not None and now - self._last_sweep < EXPIRY_SWEEP_S:
-            return
-        self._last_sweep = now
-        gone = [
-            rec
-            for rec in self.workers.values()
-            if rec.state in (WorkerState.FAILED, WorkerState.REMOVED)
-            and rec.ended_at is not None
-            and now - rec.ended_at >= self.record_retention_s
-        ]
-        for rec in gone:
-            del self.workers[rec.id]
-            self._tombstones[rec.id] = (rec.incarnation, rec.state is WorkerState.REMOVED)
-            self._tombstones.move_to_end(rec.id)
-            log.info(
-                "worker_record_expired", worker=rec.id, incarnation=rec.incarnation, state=rec.state.value
-            )
-        while len(self._tombstones) > TOMBSTONES_MAX:
-            self._tombstones.popitem(last=False)
-        if gone:
-            self._view = None  # rebuilt without them (with_workers only adds and updates)
-
     async def run_detector(self) -> None:
         own: HttpProbe | None = None
         if self.prober is None and self.detector_params.probe_timeout_s > 0:
@@ -347,35 +306,14 @@ class LoadMonitor:
 
     # -- views and subscriptions ----------------------------------------------------------------
     def view(self) -> ClusterView:
-        """Every worker as the gateway sees it now.
-
-        The same ClusterView object while no worker changed; otherwise the previous one updated for
-        the workers whose records changed (`ClusterView.with_workers`, which keeps the policies'
-        ranked load tables), rebuilt from scratch only when workers were added.
-        """
-        cv, changed = self._view, self._changed
-        if not changed and cv is not None and len(cv.workers) == len(self.workers):
-            return cv
-        ids: tuple[str, ...] | None = None
-        if cv is None or len(cv.workers) != len(self.workers) or len(changed) > 4 * len(self.workers):
-            new = ClusterView({w.id: w.view() for w in self.workers.values()})
-        else:
-            workers = self.workers
-            # records of replaced incarnations may still change (a session's inflight): not ours
-            views = [rec.view() for rec in changed if workers.get(rec.id) is rec]
-            new = cv.with_workers(views)
-            ids = tuple(w.id for w in views)
-        changed.clear()
-        if new is not cv:
-            self._prev_view, self._prev_changes, self._view = cv, ids, new
-        return new
+        """Every worker as the gateway sees it now (views.py: the same object while no worker
+        changed, otherwise updated for the workers that did)."""
+        return self.views.view(self.workers)
 
     def view_changes(self, since: ClusterView) -> tuple[str, ...] | None:
         """The ids of the workers that may differ between `since` and the current view when `since`
         is the view before it; None otherwise (compare them yourself)."""
-        if since is self._prev_view and self._prev_changes is not None:
-            return self._prev_changes
-        return None
+        return self.views.view_changes(since)
 
     def healthy_count(self) -> int:
         return sum(1 for w in self.workers.values() if w.state is WorkerState.HEALTHY)
