@@ -1,9 +1,15 @@
 """The load monitor: the gateway's live view of every worker, fed by the control plane.
 
-It owns worker state (through the core transition table), failure detection by silence (the core's
-adaptive detector and verdict, core/detector.py, with an HTTP probe of a suspected worker's own
-server), fencing of old incarnations, failure notifications to the sessions streaming from a worker,
-and the expiry of records of workers that failed or were removed and never came back.
+It owns worker state (through the core transition table), fencing of old incarnations, failure
+notifications to the sessions streaming from a worker, and gray failures (slow per token). It
+composes the rest, one module each:
+
+- detection.py: failure detection by silence (the core's adaptive detector and verdict,
+  core/detector.py, with an HTTP probe of a suspected worker's own server); the monitor applies the
+  verdicts;
+- expiry.py: the expiry of records of workers that failed or were removed and never came back, and
+  the fences they leave behind;
+- views.py: the live ClusterView, updated only for the records that changed.
 """
 
 from __future__ import annotations
@@ -15,9 +21,8 @@ from collections.abc import Callable
 
 import structlog
 
-from gateway.core import detector as fd
 from gateway.core import health
-from gateway.core.detector import DetectorParams, HeartbeatDetector, Silence
+from gateway.core.detector import DetectorParams, HeartbeatDetector
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import ClusterView
@@ -25,9 +30,10 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
+from gateway.server.workers.detection import SilenceDetection
 from gateway.server.workers.expiry import RecordExpiry
 from gateway.server.workers.fences import FenceLedger
-from gateway.server.workers.probe import HttpProbe, Prober
+from gateway.server.workers.probe import Prober
 from gateway.server.workers.records import (
     AttachRefused,
     Clock,
@@ -57,21 +63,18 @@ class LoadMonitor:
         prober: Prober | None = None,
         fences: FenceLedger | None = None,
     ) -> None:
-        self.correlated_grace_s = correlated_grace_s
         self.clock = clock
         self.interval_s = heartbeat_interval_s
         self.misses = heartbeat_misses
         # the silence rule (core/detector.py); `detector` comes from the [health] section
-        self.detector_params = (
+        self.detection = SilenceDetection(
             detector
             if detector is not None
-            else DetectorParams(interval_s=heartbeat_interval_s, misses=heartbeat_misses)
+            else DetectorParams(interval_s=heartbeat_interval_s, misses=heartbeat_misses),
+            tick_period_s=heartbeat_interval_s / 2,
+            correlated_grace_s=correlated_grace_s,
+            prober=prober,
         )
-        self.tick_period_s = heartbeat_interval_s / 2
-        # probes suspected Lumen workers (None: run_detector makes an HTTP one when probes are on)
-        self.prober = prober
-        self._probes: set[asyncio.Task[None]] = set()
-        self.stall_forgiven_s = 0.0  # the gateway's own stalls, not counted as anyone's silence
         # fences that outlive this process (gateway.state_dir): what an earlier run of this gateway
         # fenced is refused from the start, and every new fence is written before it takes effect
         self.fences = fences
@@ -80,13 +83,37 @@ class LoadMonitor:
         self.events: deque[StateEvent] = deque(maxlen=10_000)
         self._sub_ids = itertools.count(1)
         self._became_healthy = asyncio.Event()
-        self._last_tick: float | None = None
         self.on_state_change: list[Callable[[StateEvent], None]] = []
         # whether sessions measure each worker's time per token (gray failures; see observe_tokens)
         self.measure_tokens = False
         self.token_half_life_s = 2.0
         self.token_min = 32
         self.views = ViewCache()
+
+    # the detector's settings and state (detection.py), as attributes of the monitor
+    @property
+    def detector_params(self) -> DetectorParams:
+        return self.detection.params
+
+    @property
+    def tick_period_s(self) -> float:
+        return self.detection.tick_period_s
+
+    @property
+    def correlated_grace_s(self) -> float:
+        return self.detection.correlated_grace_s
+
+    @property
+    def prober(self) -> Prober | None:
+        return self.detection.prober
+
+    @prober.setter
+    def prober(self, prober: Prober | None) -> None:
+        self.detection.prober = prober
+
+    @property
+    def stall_forgiven_s(self) -> float:
+        return self.detection.stall_forgiven_s
 
     @property
     def record_retention_s(self) -> float:
@@ -148,7 +175,7 @@ class LoadMonitor:
             return  # a fenced incarnation: ignore
         now = self.clock()
         rec.last_heartbeat = now
-        det = self._detector_of(rec)
+        det = self.detection.detector_of(rec)
         gap = det.silence(now)
         det.beat(now)
         rec.probe_gen += 1  # the silence is over: an answer to its probe means nothing now
@@ -204,32 +231,10 @@ class LoadMonitor:
     # -- failure detection by silence -----------------------------------------------------------
     def tick(self) -> None:
         """One pass of the detector (every half interval): forgive the gateway's own stall, judge every
-        live worker's silence (core/detector.py), apply the verdicts, send the probes they ask for,
-        and expire old records (expiry.py)."""
+        live worker's silence (detection.py, core/detector.py), apply the verdicts, send the probes
+        they ask for, and expire old records (expiry.py)."""
         now = self.clock()
-        stall = fd.gateway_stall(self._last_tick, now, self.tick_period_s)
-        self._last_tick = now
-        if stall > 0:
-            # the gateway itself stalled (GC, CPU starvation): silence we measured is ours, not theirs
-            self.stall_forgiven_s += stall
-        judged: list[tuple[WorkerRecord, HeartbeatDetector]] = []
-        for rec in self.workers.values():
-            if rec.state in health.ALIVE_STATES:
-                det = self._detector_of(rec)
-                det.forgive(stall)
-                judged.append((rec, det))
-        # pauses the other workers showed lately count for each (they stall together on a busy host)
-        dets = [det for _, det in judged]
-        excess = fd.host_pause(dets, now, 0.0)
-        silences: dict[str, Silence] = {}
-        for rec, det in judged:
-            peers = det.params.interval_s + excess
-            silences[rec.id] = Silence(
-                rec.state, det.silence(now), det.thresholds(now, peers), det.probe(now), self._probeable(rec)
-            )
-        verdicts = fd.silence_verdicts(silences, self.correlated_grace_s)
-        for rec, det in judged:
-            v = verdicts[rec.id]
+        for rec, det, v in self.detection.judge(self.workers.values(), now):
             if self.workers.get(rec.id) is not rec or rec.state not in health.ALIVE_STATES:
                 continue  # changed by a listener of an earlier verdict
             if v.state is WorkerState.FAILED:
@@ -239,70 +244,12 @@ class LoadMonitor:
             if v.state is not rec.state:
                 self._set(rec, v.state, v.why)
             if v.probe:
-                self._send_probe(rec, det, now)
+                self.detection.send_probe(rec, det, now)
         if self.expiry.expire(self.workers, now):
             self.views.invalidate()  # rebuilt without them (with_workers only adds and updates)
 
-    def _detector_of(self, rec: WorkerRecord) -> HeartbeatDetector:
-        """`rec`'s detector, for its own heartbeat interval (a polled SGLang server's is its poll's)."""
-        det = rec.detector
-        interval = rec.heartbeat_interval_s or self.detector_params.interval_s
-        if det is None or det.params.interval_s != interval:
-            det = rec.detector = HeartbeatDetector(
-                self.detector_params.for_interval(interval), rec.last_heartbeat
-            )
-        return det
-
-    def _probeable(self, rec: WorkerRecord) -> bool:
-        """Lumen's workers are probed on their HTTP server; an SGLang server's polls are its heartbeats
-        already, and an SGLang sidecar's server says nothing of the sidecar."""
-        return (
-            self.prober is not None
-            and rec.engine is EngineKind.LUMEN
-            and rec.heartbeat_interval_s is None
-            and bool(rec.http_url)
-        )
-
-    def _send_probe(self, rec: WorkerRecord, det: HeartbeatDetector, now: float) -> None:
-        prober = self.prober
-        if prober is None:
-            return
-        det.probe_sent(now)
-        rec.probe_gen += 1
-        task = asyncio.get_running_loop().create_task(
-            self._probe(prober, rec, rec.probe_gen), name=f"probe-{rec.id}"
-        )
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
-
-    async def _probe(self, prober: Prober, rec: WorkerRecord, gen: int) -> None:
-        try:
-            answer = await prober(rec.http_url)
-        except Exception as exc:  # a prober's bug is a probe without an answer, never a dead detector
-            log.warning("probe_failed", worker=rec.id, error=repr(exc))
-            return
-        if answer is None or rec.probe_gen != gen or rec.detector is None:
-            return  # no answer (the verdict sees the probe still out), or the silence already ended
-        rec.detector.probe_answered(answer)
-        log.debug("probe_answered", worker=rec.id, incarnation=rec.incarnation, alive=answer)
-
     async def run_detector(self) -> None:
-        own: HttpProbe | None = None
-        if self.prober is None and self.detector_params.probe_timeout_s > 0:
-            # a probe outlives its verdict's wait only up to the cap, where the silence alone decides
-            own = HttpProbe(timeout_s=self.detector_params.max_silence_s)
-            self.prober = own
-        try:
-            while True:
-                self.tick()
-                await asyncio.sleep(self.tick_period_s)
-        finally:
-            for task in list(self._probes):
-                task.cancel()
-            await asyncio.gather(*self._probes, return_exceptions=True)
-            if own is not None:
-                self.prober = None
-                await own.close()
+        await self.detection.run(self.tick)
 
     # -- views and subscriptions ----------------------------------------------------------------
     def view(self) -> ClusterView:
