@@ -1,23 +1,28 @@
 """The load monitor: the gateway's live view of every worker, fed by the control plane.
 
-It owns worker state (through the core transition table), failure detection by silence (the core's
-adaptive detector and verdict, core/detector.py, with an HTTP probe of a suspected worker's own
-server), fencing of old incarnations, failure notifications to the sessions streaming from a worker,
-and the expiry of records of workers that failed or were removed and never came back.
+It owns worker state (through the core transition table), fencing of old incarnations, failure
+notifications to the sessions streaming from a worker, and gray failures (slow per token). It
+composes the rest, one module each:
+
+- detection.py: failure detection by silence (the core's adaptive detector and verdict,
+  core/detector.py, with an HTTP probe of a suspected worker's own server); the monitor applies the
+  verdicts;
+- expiry.py: the expiry of records of workers that failed or were removed and never came back, and
+  the fences they leave behind;
+- views.py: the live ClusterView, updated only for the records that changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Callable
 
 import structlog
 
-from gateway.core import detector as fd
 from gateway.core import health
-from gateway.core.detector import DetectorParams, HeartbeatDetector, Silence
+from gateway.core.detector import DetectorParams, HeartbeatDetector
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import ClusterView
@@ -25,8 +30,10 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS
+from gateway.server.workers.detection import SilenceDetection
+from gateway.server.workers.expiry import RecordExpiry
 from gateway.server.workers.fences import FenceLedger
-from gateway.server.workers.probe import HttpProbe
+from gateway.server.workers.probe import Prober
 from gateway.server.workers.records import (
     AttachRefused,
     Clock,
@@ -34,26 +41,13 @@ from gateway.server.workers.records import (
     StateEvent,
     WorkerRecord,
     phase_of,
+    reload_note,
 )
+from gateway.server.workers.views import ViewCache
 
 log = structlog.get_logger("lumen.monitor")
 
 __all__ = ["AttachRefused", "LoadMonitor", "Prober", "StateEvent", "WorkerRecord", "phase_of", "reload_note"]
-
-# `await prober(http_url)`: True (the worker's process answered), False (refused: it is gone), None
-Prober = Callable[[str], Awaitable[bool | None]]
-# expired records whose last incarnation is remembered (fencing), oldest forgotten first
-TOMBSTONES_MAX = 4096
-EXPIRY_SWEEP_S = 1.0
-
-
-def reload_note(seconds: float, source: str, seed: str) -> str:
-    """A reload in the timeline: "reloaded from s1 (peer) in 3.20 s", "reloaded from storage (disk) in
-    41.00 s, seed s1 failed"."""
-    if source == "peer":
-        return f"reloaded from {seed or 'a peer'} (peer) in {seconds:.2f} s"
-    failed = f", seed {seed} failed" if seed else ""
-    return f"reloaded from storage ({source}) in {seconds:.2f} s{failed}"
 
 
 class LoadMonitor:
@@ -69,62 +63,69 @@ class LoadMonitor:
         prober: Prober | None = None,
         fences: FenceLedger | None = None,
     ) -> None:
-        self.correlated_grace_s = correlated_grace_s
         self.clock = clock
         self.interval_s = heartbeat_interval_s
         self.misses = heartbeat_misses
         # the silence rule (core/detector.py); `detector` comes from the [health] section
-        self.detector_params = (
+        self.detection = SilenceDetection(
             detector
             if detector is not None
-            else DetectorParams(interval_s=heartbeat_interval_s, misses=heartbeat_misses)
+            else DetectorParams(interval_s=heartbeat_interval_s, misses=heartbeat_misses),
+            tick_period_s=heartbeat_interval_s / 2,
+            correlated_grace_s=correlated_grace_s,
+            prober=prober,
         )
-        self.tick_period_s = heartbeat_interval_s / 2
-        # probes suspected Lumen workers (None: run_detector makes an HTTP one when probes are on)
-        self.prober = prober
-        self._probes: set[asyncio.Task[None]] = set()
-        self.stall_forgiven_s = 0.0  # the gateway's own stalls, not counted as anyone's silence
-        # FAILED and REMOVED records are dropped this long after; their last incarnation is kept
-        self.record_retention_s = record_retention_s
-        self._tombstones: OrderedDict[str, tuple[int, bool]] = OrderedDict()
         # fences that outlive this process (gateway.state_dir): what an earlier run of this gateway
         # fenced is refused from the start, and every new fence is written before it takes effect
         self.fences = fences
-        if fences is not None:
-            for worker, incarnation in fences.fences.items():
-                self._tombstones[worker] = (incarnation, False)
-        self._last_sweep: float | None = None
+        self.expiry = RecordExpiry(record_retention_s, fences)
         self.workers: dict[str, WorkerRecord] = {}
         self.events: deque[StateEvent] = deque(maxlen=10_000)
         self._sub_ids = itertools.count(1)
         self._became_healthy = asyncio.Event()
-        self._last_tick: float | None = None
         self.on_state_change: list[Callable[[StateEvent], None]] = []
         # whether sessions measure each worker's time per token (gray failures; see observe_tokens)
         self.measure_tokens = False
         self.token_half_life_s = 2.0
         self.token_min = 32
-        # the ClusterView last made by view(), and the records changed since (see WorkerRecord)
-        self._view: ClusterView | None = None
-        self._changed: list[WorkerRecord] = []
-        # the view before the last one, and the ids view() updated from it (None: rebuilt)
-        self._prev_view: ClusterView | None = None
-        self._prev_changes: tuple[str, ...] | None = None
+        self.views = ViewCache()
+
+    # the detector's settings and state (detection.py), as attributes of the monitor
+    @property
+    def detector_params(self) -> DetectorParams:
+        return self.detection.params
+
+    @property
+    def tick_period_s(self) -> float:
+        return self.detection.tick_period_s
+
+    @property
+    def correlated_grace_s(self) -> float:
+        return self.detection.correlated_grace_s
+
+    @property
+    def prober(self) -> Prober | None:
+        return self.detection.prober
+
+    @prober.setter
+    def prober(self, prober: Prober | None) -> None:
+        self.detection.prober = prober
+
+    @property
+    def stall_forgiven_s(self) -> float:
+        return self.detection.stall_forgiven_s
+
+    @property
+    def record_retention_s(self) -> float:
+        return self.expiry.retention_s
 
     # -- attach / heartbeat / detach ------------------------------------------------------------
     def attach(self, hello: pb.Hello) -> WorkerRecord:
         """Register a worker incarnation. A stale or duplicate incarnation is refused (fencing)."""
         now = self.clock()
         old = self.workers.get(hello.worker_id)
-        gone = self._tombstones.get(hello.worker_id) if old is None else None
-        if gone is not None:  # an expired record: still fenced
-            last, removed = gone
-            if removed:
-                raise AttachRefused(f"worker {hello.worker_id} was removed")
-            if hello.incarnation <= last:
-                raise AttachRefused(
-                    f"incarnation {hello.incarnation} is not newer than {last} for worker {hello.worker_id}"
-                )
+        # an expired record: still fenced
+        expired = self.expiry.check_attach(hello.worker_id, hello.incarnation) if old is None else False
         if old is not None:
             if hello.incarnation <= old.incarnation:
                 raise AttachRefused(
@@ -136,7 +137,7 @@ class LoadMonitor:
                 self._fail(old, "replaced by a new incarnation")
         phase = phase_of(hello.phase)
         if old is None:
-            state = WorkerState.JOINING if gone is None else WorkerState.RESTARTING
+            state = WorkerState.RESTARTING if expired else WorkerState.JOINING
         elif old.state is WorkerState.REMOVED:
             raise AttachRefused(f"worker {hello.worker_id} was removed")
         else:
@@ -162,9 +163,8 @@ class LoadMonitor:
             attached_at=now,
         )
         rec.detector = HeartbeatDetector(self.detector_params, now)
-        self._tombstones.pop(rec.id, None)
-        rec._changed = self._changed
-        self._changed.append(rec)
+        self.expiry.forget(rec.id)
+        self.views.track(rec)
         self.workers[rec.id] = rec
         self._record(rec, old.state if old else None, state, "attached")
         self._apply_phase(rec, phase)
@@ -175,7 +175,7 @@ class LoadMonitor:
             return  # a fenced incarnation: ignore
         now = self.clock()
         rec.last_heartbeat = now
-        det = self._detector_of(rec)
+        det = self.detection.detector_of(rec)
         gap = det.silence(now)
         det.beat(now)
         rec.probe_gen += 1  # the silence is over: an answer to its probe means nothing now
@@ -231,32 +231,10 @@ class LoadMonitor:
     # -- failure detection by silence -----------------------------------------------------------
     def tick(self) -> None:
         """One pass of the detector (every half interval): forgive the gateway's own stall, judge every
-        live worker's silence (core/detector.py), apply the verdicts, send the probes they ask for,
-        and expire old records."""
+        live worker's silence (detection.py, core/detector.py), apply the verdicts, send the probes
+        they ask for, and expire old records (expiry.py)."""
         now = self.clock()
-        stall = fd.gateway_stall(self._last_tick, now, self.tick_period_s)
-        self._last_tick = now
-        if stall > 0:
-            # the gateway itself stalled (GC, CPU starvation): silence we measured is ours, not theirs
-            self.stall_forgiven_s += stall
-        judged: list[tuple[WorkerRecord, HeartbeatDetector]] = []
-        for rec in self.workers.values():
-            if rec.state in health.ALIVE_STATES:
-                det = self._detector_of(rec)
-                det.forgive(stall)
-                judged.append((rec, det))
-        # pauses the other workers showed lately count for each (they stall together on a busy host)
-        dets = [det for _, det in judged]
-        excess = fd.host_pause(dets, now, 0.0)
-        silences: dict[str, Silence] = {}
-        for rec, det in judged:
-            peers = det.params.interval_s + excess
-            silences[rec.id] = Silence(
-                rec.state, det.silence(now), det.thresholds(now, peers), det.probe(now), self._probeable(rec)
-            )
-        verdicts = fd.silence_verdicts(silences, self.correlated_grace_s)
-        for rec, det in judged:
-            v = verdicts[rec.id]
+        for rec, det, v in self.detection.judge(self.workers.values(), now):
             if self.workers.get(rec.id) is not rec or rec.state not in health.ALIVE_STATES:
                 continue  # changed by a listener of an earlier verdict
             if v.state is WorkerState.FAILED:
@@ -266,126 +244,23 @@ class LoadMonitor:
             if v.state is not rec.state:
                 self._set(rec, v.state, v.why)
             if v.probe:
-                self._send_probe(rec, det, now)
-        self._expire(now)
-
-    def _detector_of(self, rec: WorkerRecord) -> HeartbeatDetector:
-        """`rec`'s detector, for its own heartbeat interval (a polled SGLang server's is its poll's)."""
-        det = rec.detector
-        interval = rec.heartbeat_interval_s or self.detector_params.interval_s
-        if det is None or det.params.interval_s != interval:
-            det = rec.detector = HeartbeatDetector(
-                self.detector_params.for_interval(interval), rec.last_heartbeat
-            )
-        return det
-
-    def _probeable(self, rec: WorkerRecord) -> bool:
-        """Lumen's workers are probed on their HTTP server; an SGLang server's polls are its heartbeats
-        already, and an SGLang sidecar's server says nothing of the sidecar."""
-        return (
-            self.prober is not None
-            and rec.engine is EngineKind.LUMEN
-            and rec.heartbeat_interval_s is None
-            and bool(rec.http_url)
-        )
-
-    def _send_probe(self, rec: WorkerRecord, det: HeartbeatDetector, now: float) -> None:
-        prober = self.prober
-        if prober is None:
-            return
-        det.probe_sent(now)
-        rec.probe_gen += 1
-        task = asyncio.get_running_loop().create_task(
-            self._probe(prober, rec, rec.probe_gen), name=f"probe-{rec.id}"
-        )
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
-
-    async def _probe(self, prober: Prober, rec: WorkerRecord, gen: int) -> None:
-        try:
-            answer = await prober(rec.http_url)
-        except Exception as exc:  # a prober's bug is a probe without an answer, never a dead detector
-            log.warning("probe_failed", worker=rec.id, error=repr(exc))
-            return
-        if answer is None or rec.probe_gen != gen or rec.detector is None:
-            return  # no answer (the verdict sees the probe still out), or the silence already ended
-        rec.detector.probe_answered(answer)
-        log.debug("probe_answered", worker=rec.id, incarnation=rec.incarnation, alive=answer)
-
-    def _expire(self, now: float) -> None:
-        """Drop FAILED and REMOVED records `record_retention_s` after they ended (a worker that never
-        came back, a refused impostor's failed attach), keeping their last incarnation for fencing."""
-        if self._last_sweep is not None and now - self._last_sweep < EXPIRY_SWEEP_S:
-            return
-        self._last_sweep = now
-        gone = [
-            rec
-            for rec in self.workers.values()
-            if rec.state in (WorkerState.FAILED, WorkerState.REMOVED)
-            and rec.ended_at is not None
-            and now - rec.ended_at >= self.record_retention_s
-        ]
-        for rec in gone:
-            del self.workers[rec.id]
-            self._tombstones[rec.id] = (rec.incarnation, rec.state is WorkerState.REMOVED)
-            self._tombstones.move_to_end(rec.id)
-            log.info(
-                "worker_record_expired", worker=rec.id, incarnation=rec.incarnation, state=rec.state.value
-            )
-        while len(self._tombstones) > TOMBSTONES_MAX:
-            self._tombstones.popitem(last=False)
-        if gone:
-            self._view = None  # rebuilt without them (with_workers only adds and updates)
+                self.detection.send_probe(rec, det, now)
+        if self.expiry.expire(self.workers, now):
+            self.views.invalidate()  # rebuilt without them (with_workers only adds and updates)
 
     async def run_detector(self) -> None:
-        own: HttpProbe | None = None
-        if self.prober is None and self.detector_params.probe_timeout_s > 0:
-            # a probe outlives its verdict's wait only up to the cap, where the silence alone decides
-            own = HttpProbe(timeout_s=self.detector_params.max_silence_s)
-            self.prober = own
-        try:
-            while True:
-                self.tick()
-                await asyncio.sleep(self.tick_period_s)
-        finally:
-            for task in list(self._probes):
-                task.cancel()
-            await asyncio.gather(*self._probes, return_exceptions=True)
-            if own is not None:
-                self.prober = None
-                await own.close()
+        await self.detection.run(self.tick)
 
     # -- views and subscriptions ----------------------------------------------------------------
     def view(self) -> ClusterView:
-        """Every worker as the gateway sees it now.
-
-        The same ClusterView object while no worker changed; otherwise the previous one updated for
-        the workers whose records changed (`ClusterView.with_workers`, which keeps the policies'
-        ranked load tables), rebuilt from scratch only when workers were added.
-        """
-        cv, changed = self._view, self._changed
-        if not changed and cv is not None and len(cv.workers) == len(self.workers):
-            return cv
-        ids: tuple[str, ...] | None = None
-        if cv is None or len(cv.workers) != len(self.workers) or len(changed) > 4 * len(self.workers):
-            new = ClusterView({w.id: w.view() for w in self.workers.values()})
-        else:
-            workers = self.workers
-            # records of replaced incarnations may still change (a session's inflight): not ours
-            views = [rec.view() for rec in changed if workers.get(rec.id) is rec]
-            new = cv.with_workers(views)
-            ids = tuple(w.id for w in views)
-        changed.clear()
-        if new is not cv:
-            self._prev_view, self._prev_changes, self._view = cv, ids, new
-        return new
+        """Every worker as the gateway sees it now (views.py: the same object while no worker
+        changed, otherwise updated for the workers that did)."""
+        return self.views.view(self.workers)
 
     def view_changes(self, since: ClusterView) -> tuple[str, ...] | None:
         """The ids of the workers that may differ between `since` and the current view when `since`
         is the view before it; None otherwise (compare them yourself)."""
-        if since is self._prev_view and self._prev_changes is not None:
-            return self._prev_changes
-        return None
+        return self.views.view_changes(since)
 
     def healthy_count(self) -> int:
         return sum(1 for w in self.workers.values() if w.state is WorkerState.HEALTHY)

@@ -11,11 +11,15 @@ kernel, so only a real answer counts as life.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import structlog
 
 log = structlog.get_logger("lumen.probe")
+
+# `await prober(http_url)`: True (the worker's process answered), False (refused: it is gone), None
+Prober = Callable[[str], Awaitable[bool | None]]
 
 
 class HttpProbe:

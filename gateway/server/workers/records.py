@@ -30,6 +30,15 @@ def phase_of(value: int) -> Phase:
     return _PHASES.get(value, Phase.LOADING_FULL)
 
 
+def reload_note(seconds: float, source: str, seed: str) -> str:
+    """A reload in the timeline: "reloaded from s1 (peer) in 3.20 s", "reloaded from storage (disk) in
+    41.00 s, seed s1 failed"."""
+    if source == "peer":
+        return f"reloaded from {seed or 'a peer'} (peer) in {seconds:.2f} s"
+    failed = f", seed {seed} failed" if seed else ""
+    return f"reloaded from storage ({source}) in {seconds:.2f} s{failed}"
+
+
 @dataclass(frozen=True, slots=True)
 class StateEvent:
     t: float
