@@ -377,12 +377,14 @@ class Gateway:
         return draft_first_pays(view, self.assist.params, exclude=(worker_id,))
 
     def _outage_tick(self) -> None:
-        if self.outage is not None:
-            self.outage.tick()
-            self.metrics.outage_boost.set(self.outage.boost)
-            if self.assist is not None:  # the gate judges the batch the survivors run now
-                limit = admission_limit(self.config.engine.max_running_requests, self.outage.boost)
-                self.assist.params = with_batch_limit(self.assist.params, limit)
+        """After every heartbeat and state change: nothing to do outside a recovery but at its end."""
+        if self.outage is None or not self.outage.recovering:
+            return
+        self.outage.tick()
+        self.metrics.outage_boost.set(self.outage.boost)
+        if self.assist is not None:  # the gate judges the batch the survivors run now
+            limit = admission_limit(self.config.engine.max_running_requests, self.outage.boost)
+            self.assist.params = with_batch_limit(self.assist.params, limit)
 
     def _on_state_change(self, ev: StateEvent) -> None:
         if ev.dst is WorkerState.FAILED:
