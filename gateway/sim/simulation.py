@@ -27,7 +27,6 @@ from gateway.core.costmodel import CostModel
 from gateway.core.detector import DetectorParams, hang_detection_s
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import checkpoint_coverage, holder_balance
-from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
@@ -37,6 +36,7 @@ from gateway.core.types import LoadParams
 from gateway.sim import events as ev
 from gateway.sim.coordinator import Coordinator, assist_gate, lag_per_token
 from gateway.sim.events import EventQueue
+from gateway.sim.gray import SimGray
 from gateway.sim.reloads import ActiveReload, Reloads, ReloadTimes
 from gateway.sim.request import SimRequest
 from gateway.sim.result import RunResult, RunStats, Sample
@@ -122,13 +122,7 @@ class Simulation:
         self.coverage_flags: list[bool] = []
         self.balance: float | None = None
         self.balance_taken = False
-        self.gray_params = GrayParams(
-            scenario.gray.enabled,
-            scenario.gray.slow_factor,
-            scenario.gray.recover_factor,
-            scenario.gray.min_peers,
-        )
-        self.degradations = 0
+        self.gray = SimGray(scenario.gray, self.coord, policy.failover)
         self.workload = workload
         self._arrivals = workload.arrivals.tolist()
         self._prompts = workload.prompts.tolist()
@@ -224,39 +218,16 @@ class Simulation:
             )
         )
         if self.scenario.gray.enabled:
-            self._check_gray(now)
+            self.gray.check(self.workers, now, self._move)
         self.coord.repair(now)
         if self.open or len(self.requests) < len(self._arrivals):
             self.queue.push(now + self.scenario.sample_s, ev.TICK)
 
-    def _check_gray(self, now: float) -> None:
-        """Gray failures, as the live gateway handles them (LoadMonitor.check_gray): a worker far slower
-        per token than its peers is DEGRADED and its requests resume elsewhere by recovery dispatch."""
-        g, coord = self.scenario.gray, self.coord
-        observations = []
-        for w in self.workers:
-            w.measure(now)
-            observations.append(Observation(w.id, w.state, w.per_token_s, w.per_token_at, w.degraded_at))
-        times, degraded = verdict_inputs(now, observations, g.window_s, g.probation_s)
-        verdict = gray_verdicts(times, degraded, self.gray_params)
-        for wid in sorted(verdict.degrade):
-            w = coord.by_id[wid]
-            coord.set_state(w, S.DEGRADED)
-            w.degraded_at = now
-            self.degradations += 1
-            if not (g.migrate and self.policy.failover):
-                continue
-            running = [*w.batch.members.values(), *w.prefill_q, *w.restoring]
-            for r in running:
-                r.durable = coord.durable_at(r, now)
-            for r in sorted(w.evict(now), key=lambda r: r.rid):
-                self._interrupt(r)
-                if not coord.recover(r, w, now):
-                    self._wait(r, now)
-        for wid in sorted(verdict.restore):
-            w = coord.by_id[wid]
-            coord.set_state(w, S.HEALTHY)
-            w.degraded_at = w.per_token_at = None
+    def _move(self, r: SimRequest, w: SimWorker, now: float) -> None:
+        """A degraded worker's request resumes elsewhere through recovery dispatch (or waits)."""
+        self._interrupt(r)
+        if not self.coord.recover(r, w, now):
+            self._wait(r, now)
 
     # -- engine callbacks (EngineHost) --------------------------------------------------------------
     def on_prefilled(self, r: SimRequest, now: float) -> None:
@@ -416,7 +387,7 @@ class Simulation:
             draft_k_mean=sum(ks) / len(ks) if ks else None,
             pairings=len(ks),
             events=events,
-            degradations=self.degradations,
+            degradations=self.gray.degradations,
             reloads=self.reloads.records(),
         )
         return RunResult.collect(
