@@ -17,7 +17,6 @@ SERVING.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,7 +36,7 @@ from worker_hooks.engine.admission import Admission
 from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.draft_assist import Assist
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.loading import load_plan, plain_plan
+from worker_hooks.engine.loading import load_plan, plain_plan, walk_plan
 from worker_hooks.engine.orphans import Orphanage
 from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Emission, Scheduler, Seq, StepResult
@@ -132,7 +131,7 @@ class Engine:
         self.admission = Admission(self.worker_id, self.scheduler, spec.max_running_requests, self.steps.wake)
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
-        self._replanned = asyncio.Event()  # skip_draft replaced the load plan
+        self.replanned = asyncio.Event()  # skip_draft replaced the load plan
         self.requests_total = 0
         self.aborted_total = 0
         self.prompt_tokens_total = 0
@@ -148,7 +147,7 @@ class Engine:
         await self.assist.start()  # a drafter binds now: Hello carries its endpoint from the first session
         self._loop_task = asyncio.create_task(self.steps.run(), name=f"engine-{self.worker_id}")
         if self.load_plan.changes:
-            self._load_task = asyncio.create_task(self._load(), name=f"load-{self.worker_id}")
+            self._load_task = asyncio.create_task(walk_plan(self), name=f"load-{self.worker_id}")
 
     def pause(self) -> None:
         """Freeze the step loop (fault injection: a hung engine whose process is still alive)."""
@@ -200,41 +199,8 @@ class Engine:
             return
         self.load_plan = plain_plan(self.spec, self.cost)
         self.phase = self.load_plan.first
-        self._replanned.set()
+        self.replanned.set()
         log.info("draft model skipped", worker_id=self.worker_id, plan=self.load_plan)
-
-    async def _load(self) -> None:
-        """Walk the load plan (re-read if `skip_draft` replaces it); once serving, retire the drafter
-        (after its pairs and rounds end)."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        log.info("loading model", worker_id=self.worker_id, plan=self.load_plan)
-        done = 0  # phase changes of the current plan taken
-        while done < len(self.load_plan.changes):
-            plan = self.load_plan
-            at, phase = plan.changes[done]
-            if self.torch is not None:  # real loads; the plan's times are minimums
-                if phase is Phase.DRAFT_READY and self.assist.drafter is not None:
-                    self.assist.drafter.set_model(await self.torch.load_draft_async())
-                elif phase is Phase.SERVING:
-                    await self.torch.load_target_async()
-            self._replanned.clear()
-            wait = start + at - loop.time()
-            if wait > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._replanned.wait(), wait)
-            if self.load_plan is not plan:  # replanned while waiting: from its first change
-                done = 0
-                continue
-            done += 1
-            if self.phase in (Phase.DRAINING, Phase.SERVING):
-                break  # drained while loading: stays so
-            if phase is Phase.DRAFT_READY and self.assist.drafter is not None:
-                self.assist.drafter.set_ready()
-            self.phase = phase
-            log.info("phase", worker_id=self.worker_id, phase=phase.value, incarnation=self.incarnation)
-        if self.assist.drafter is not None:
-            await self.assist.drafter.retire()
 
     def drain(self) -> None:
         """Stop taking new requests; those in flight finish."""
