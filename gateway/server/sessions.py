@@ -35,7 +35,7 @@ from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.protocol.generate import AdoptRequest, EngineKind, GenerateChunk, HolderRef
+from gateway.protocol.generate import AdoptRequest, EngineKind, HolderRef
 from gateway.protocol.sglang import SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta, attempt_rid
@@ -43,12 +43,11 @@ from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
 from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
+from gateway.server.session_book import note_interruption, note_tokens
 from gateway.server.session_records import (
-    Interruption,
     Session,
     attempt_request,
     chunk_logprobs,
-    restored_tokens,
 )
 from gateway.server.workers.aborts import Aborts
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
@@ -184,7 +183,7 @@ class SessionManager:
                     excluded.add(worker.id)
                 elif exc.worker_error:  # alive, but it gave up on this request: not there again
                     excluded.add(worker.id)
-            self._note_interruption(s, worker, lost_reason)
+            note_interruption(s, worker, lost_reason, self.clock(), self.metrics, self.recovery.mode)
             if not self.policy.failover:
                 raise UpstreamFailed(
                     f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'"
@@ -248,7 +247,7 @@ class SessionManager:
             if not s.resumed_by:  # it died before answering: recompute
                 self._resumed(s, "replay", at, exc.reason)
             else:
-                self._note_interruption(s, worker, exc.reason)
+                note_interruption(s, worker, exc.reason, self.clock(), self.metrics, self.recovery.mode)
 
     def _resumed(self, s: Session, how: str, at: Attempt, why: str = "") -> None:
         s.resumed_by = how
@@ -347,7 +346,8 @@ class SessionManager:
                         raise WorkerLost(f"worker aborted the request: {fin.message or ''}")
                     lps = chunk_logprobs(s, chunk, worker.id)
                     if ids:
-                        now = self._on_tokens(s, worker, len(ids), chunk)
+                        now = self.clock()
+                        note_tokens(s, worker, len(ids), chunk, now, self.metrics, self.checkpoints)
                         if prev_chunk_at is not None and self.monitor.measure_tokens:  # gray failures
                             self.monitor.observe_tokens(
                                 worker.id, worker.incarnation, len(ids), now - prev_chunk_at
@@ -376,43 +376,3 @@ class SessionManager:
         """Ask a worker to drop `rid` (the client left, or the request moved elsewhere)."""
         if worker.state in ALIVE_STATES:  # a dead worker needs no abort
             self._aborts.post(worker.http_url, rid)
-
-    # -- bookkeeping ----------------------------------------------------------------------------
-    def _on_tokens(self, s: Session, worker: WorkerRecord, n: int, chunk: GenerateChunk) -> float:
-        now = self.clock()
-        if s.first_token_at is None:
-            s.first_token_at = now
-            self.metrics.ttft.observe(now - s.arrived)
-        if s.interruptions and s.interruptions[-1].resumed_at is None:
-            restored = restored_tokens(s, worker.engine, chunk)
-            it = s.interruptions[-1]
-            it.resumed_at = now
-            it.resumed_on = worker.id
-            it.restored_tokens = restored
-            if self.checkpoints is not None:
-                self.checkpoints.drop_retired(s.job.rid)  # the restore, if any, has read them
-            if restored:
-                self.metrics.restored_tokens.inc(restored)
-            self.metrics.resume_delay.observe(it.resume_delay or 0.0)
-            self.metrics.resumes.labels(kind="restore" if restored else "replay").inc()
-        s.last_token_at = now
-        self.metrics.output_tokens.inc(n)
-        return now
-
-    def _note_interruption(self, s: Session, worker: WorkerRecord, reason: str) -> None:
-        now = self.clock()
-        s.interruptions.append(
-            Interruption(
-                worker.id, worker.incarnation, reason, now, len(s.emitted), s.last_token_at or s.arrived
-            )
-        )
-        self.metrics.interrupted.labels(mode=self.recovery.mode).inc()
-        log.info(
-            "request_interrupted",
-            rid=s.job.rid,
-            worker=worker.id,
-            incarnation=worker.incarnation,
-            emitted=len(s.emitted),
-            attempt=s.attempts,
-            reason=reason,
-        )
