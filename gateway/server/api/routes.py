@@ -9,11 +9,7 @@ workers.
 the request's seed + i, or one drawn for it), read together (generation.Choices): a worker failure
 resumes only the choices it served, each exactly. A stream's chunks carry their choice's `index`.
 
-Streams are SSE. The first step is awaited before the response starts, so a failure before any
-output is an ordinary JSON error with its own status. A GatewayError after the stream has begun is
-sent as one `data: {"error": {...}}` event and the stream ends WITHOUT `data: [DONE]`: a missing
-[DONE] tells a client the output is incomplete. Once the headers are out, a stream silent for
-`limits.sse_keepalive_s` gets a `: keep-alive` comment line (keepalive.py).
+Streams are SSE (respond.py: the response, whole or streamed).
 """
 
 from __future__ import annotations
@@ -32,13 +28,9 @@ from aiohttp import hdrs, web
 
 from gateway.config import Config
 from gateway.protocol.openai.envelopes import (
-    SSE_DONE,
     ChatEnvelope,
     CompletionEnvelope,
-    Json,
-    sse_event,
 )
-from gateway.protocol.openai.errors import error_body
 from gateway.protocol.openai.fields import decode_object
 from gateway.protocol.openai.requests import (
     Bounds,
@@ -53,18 +45,17 @@ from gateway.server.api.admission import KEY_ID, guard, limiter_of
 from gateway.server.api.chat_template import ChatTemplate
 from gateway.server.api.detokenize import Detokenizer
 from gateway.server.api.errors import (
-    GatewayError,
     InvalidRequest,
     ModelNotFound,
     RequestTimeout,
     RequestTooLarge,
     UnreadableBody,
 )
-from gateway.server.api.formats import Format, NativeFormat, OpenAIFormat
+from gateway.server.api.formats import NativeFormat, OpenAIFormat
 from gateway.server.api.generation import Choices, Generation
 from gateway.server.api.jobs import GenerateJob, Generator, Sampling
-from gateway.server.api.keepalive import SseResponse
 from gateway.server.api.openapi import ClientRoute, document
+from gateway.server.api.respond import json_response, respond
 from gateway.server.api.resume import LAST_EVENT_ID, ResumePoint, StreamIds, draw_seed, resume_point
 from gateway.server.api.schemas import bounds_of, check_prompt_length
 from gateway.server.api.tokenizer import Tokenizer
@@ -260,7 +251,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     envelope = CompletionEnvelope(rid, req.model, created, req.include_usage)
     fmt = OpenAIFormat(envelope, api.tokenizer.token_text)
     positions = api.stream_ids(request, body, rid, created, choices, resume) if req.stream else None
-    return await respond(request, choices, fmt, req.stream, positions)
+    return await respond(request, choices, fmt, req.stream, api.config.limits.sse_keepalive_s, positions)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -282,7 +273,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     envelope = ChatEnvelope(rid, req.model, created, req.include_usage)
     fmt = OpenAIFormat(envelope, api.tokenizer.token_text)
     positions = api.stream_ids(request, body, rid, created, choices, resume) if req.stream else None
-    return await respond(request, choices, fmt, req.stream, positions)
+    return await respond(request, choices, fmt, req.stream, api.config.limits.sse_keepalive_s, positions)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -299,7 +290,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     choices = api.choices(rid, ids, req.sampling, req.stream, labels, logprobs=req.logprobs, resume=resume)
     fmt = NativeFormat(req.rid or rid, api.tokenizer.token_text if req.return_text_in_logprobs else None)
     positions = api.stream_ids(request, body, rid, 0, choices, resume) if req.stream else None
-    return await respond(request, choices, fmt, req.stream, positions)
+    return await respond(request, choices, fmt, req.stream, api.config.limits.sse_keepalive_s, positions)
 
 
 def _model_card(api: ClientApi) -> dict[str, object]:
@@ -309,7 +300,7 @@ def _model_card(api: ClientApi) -> dict[str, object]:
 async def list_models(request: web.Request) -> web.StreamResponse:
     """The served model"""
     api = request.config_dict[CLIENT_API]
-    return _json({"object": "list", "data": [_model_card(api)]})
+    return json_response({"object": "list", "data": [_model_card(api)]})
 
 
 async def get_model(request: web.Request) -> web.StreamResponse:
@@ -317,7 +308,7 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     api = request.config_dict[CLIENT_API]
     if request.match_info["model"] != api.bounds.model:
         raise ModelNotFound(f"the model '{request.match_info['model']}' does not exist", param="model")
-    return _json(_model_card(api))
+    return json_response(_model_card(api))
 
 
 async def openapi_json(request: web.Request) -> web.StreamResponse:
@@ -341,66 +332,3 @@ def _version() -> str:
         return importlib.metadata.version("lumen")
     except importlib.metadata.PackageNotFoundError:
         return "0"
-
-
-def _json(obj: object) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
-
-
-async def respond(
-    request: web.Request, choices: Choices, fmt: Format, stream: bool, positions: StreamIds | None = None
-) -> web.StreamResponse:
-    """The whole response, or its SSE stream: each step's events in one write, the last with the
-    stream's position as its `id` (resume.py); replayed steps of a resumed stream are not written."""
-    gens = choices.gens
-    async with choices:  # closes every generator on every way out, cancellation included
-        if not stream:
-            parts: list[list[str]] = [[] for _ in gens]
-            while (got := await choices.next()) is not None:
-                parts[got[0]].append(got[1].text)
-            return _json(fmt.response(["".join(p) for p in parts], gens))
-        first = await choices.next()  # raises before any output: the middleware answers with a status
-        # from here on, silence longer than limits.sse_keepalive_s gets a comment line (keepalive.py)
-        resp = SseResponse(request.config_dict[CLIENT_API].config.limits.sse_keepalive_s)
-        await resp.prepare(request)
-        try:
-            got = first
-            while got is not None:
-                index, step = got
-                events = fmt.chunks(index, step, gens[index])  # a replayed step updates the format
-                if not step.replay and events:
-                    if positions is not None:
-                        positions.step(index, step)
-                    await resp.write(_events(events, positions))
-                got = await choices.next()
-            if positions is None or not positions.closed:
-                closing = fmt.closing(gens)
-                if closing:
-                    await resp.write(_events(closing, positions, closed=True))
-            await resp.write(SSE_DONE)
-        except ConnectionResetError:
-            log.debug("client left mid-stream", rid=choices.job.rid)
-        except GatewayError as exc:
-            await _write_error(resp, exc.body())
-        except Exception:
-            # the status is already sent, so the error middleware cannot answer: end the stream cleanly
-            log.exception("stream failed", rid=choices.job.rid)
-            await _write_error(resp, error_body("internal server error", "internal_error"))
-        finally:
-            resp.stop_keepalive()  # the stream ended, or the handler was cancelled (client gone)
-        return resp
-
-
-def _events(objs: list[Json], positions: StreamIds | None, *, closed: bool = False) -> bytes:
-    """The events of one step; with positions, the last carries the stream's position as its id."""
-    if positions is None:
-        return b"".join([sse_event(o) for o in objs])
-    last = b"id: " + positions.position(closed=closed).encode() + b"\n" + sse_event(objs[-1])
-    return b"".join([sse_event(o) for o in objs[:-1]]) + last if len(objs) > 1 else last
-
-
-async def _write_error(resp: web.StreamResponse, body: dict[str, object]) -> None:
-    try:
-        await resp.write(sse_event(body))
-    except ConnectionResetError:
-        pass

@@ -1,0 +1,92 @@
+"""A generation's HTTP response (routes.py's handlers end here): the whole JSON body, or its SSE stream.
+
+The first step is awaited before the response starts, so a failure before any output is an ordinary
+JSON error with its own status. A GatewayError after the stream has begun is sent as one
+`data: {"error": {...}}` event and the stream ends WITHOUT `data: [DONE]`: a missing [DONE] tells a
+client the output is incomplete. Once the headers are out, a stream silent for `keepalive_s`
+(`limits.sse_keepalive_s`) gets a `: keep-alive` comment line (keepalive.py).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from gateway.protocol.openai.envelopes import SSE_DONE, Json, sse_event
+from gateway.protocol.openai.errors import error_body
+from gateway.server.api.errors import GatewayError
+from gateway.server.api.formats import Format
+from gateway.server.api.generation import Choices
+from gateway.server.api.keepalive import SseResponse
+from gateway.server.api.resume import StreamIds
+
+log = structlog.get_logger("lumen.api")
+
+
+def json_response(obj: object) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+
+
+async def respond(
+    request: web.Request,
+    choices: Choices,
+    fmt: Format,
+    stream: bool,
+    keepalive_s: float,
+    positions: StreamIds | None = None,
+) -> web.StreamResponse:
+    """The whole response, or its SSE stream: each step's events in one write, the last with the
+    stream's position as its `id` (resume.py); replayed steps of a resumed stream are not written."""
+    gens = choices.gens
+    async with choices:  # closes every generator on every way out, cancellation included
+        if not stream:
+            parts: list[list[str]] = [[] for _ in gens]
+            while (got := await choices.next()) is not None:
+                parts[got[0]].append(got[1].text)
+            return json_response(fmt.response(["".join(p) for p in parts], gens))
+        first = await choices.next()  # raises before any output: the middleware answers with a status
+        # from here on, silence longer than limits.sse_keepalive_s gets a comment line (keepalive.py)
+        resp = SseResponse(keepalive_s)
+        await resp.prepare(request)
+        try:
+            got = first
+            while got is not None:
+                index, step = got
+                events = fmt.chunks(index, step, gens[index])  # a replayed step updates the format
+                if not step.replay and events:
+                    if positions is not None:
+                        positions.step(index, step)
+                    await resp.write(_events(events, positions))
+                got = await choices.next()
+            if positions is None or not positions.closed:
+                closing = fmt.closing(gens)
+                if closing:
+                    await resp.write(_events(closing, positions, closed=True))
+            await resp.write(SSE_DONE)
+        except ConnectionResetError:
+            log.debug("client left mid-stream", rid=choices.job.rid)
+        except GatewayError as exc:
+            await _write_error(resp, exc.body())
+        except Exception:
+            # the status is already sent, so the error middleware cannot answer: end the stream cleanly
+            log.exception("stream failed", rid=choices.job.rid)
+            await _write_error(resp, error_body("internal server error", "internal_error"))
+        finally:
+            resp.stop_keepalive()  # the stream ended, or the handler was cancelled (client gone)
+        return resp
+
+
+def _events(objs: list[Json], positions: StreamIds | None, *, closed: bool = False) -> bytes:
+    """The events of one step; with positions, the last carries the stream's position as its id."""
+    if positions is None:
+        return b"".join([sse_event(o) for o in objs])
+    last = b"id: " + positions.position(closed=closed).encode() + b"\n" + sse_event(objs[-1])
+    return b"".join([sse_event(o) for o in objs[:-1]]) + last if len(objs) > 1 else last
+
+
+async def _write_error(resp: web.StreamResponse, body: dict[str, object]) -> None:
+    try:
+        await resp.write(sse_event(body))
+    except ConnectionResetError:
+        pass
