@@ -325,7 +325,9 @@ async def test_a_server_killed_by_the_cluster_is_failed_within_100_ms_on_the_gat
         failed = next(e for e in events if e["to"] == "FAILED")
         latency = failed["t"] - killed["at"]
         print(f"\nSIGKILL -> FAILED {1000 * latency:.1f} ms ({failed['reason']})")
-        assert failed["reason"] == "control stream ended" and 0 <= latency < 0.1
+        # the old stream's end and the restarted server's Hello race to the gateway; both fail it
+        assert failed["reason"] in ("control stream ended", "replaced by a new incarnation")
+        assert 0 <= latency < 0.1
         # a fault that means nothing to an SGLang server is refused, not sent as a signal
         async with http.post(url + f"/admin/workers/{before['id']}/kill?mode=stall") as resp:
             assert resp.status == 400, await resp.text()
