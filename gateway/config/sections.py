@@ -243,7 +243,7 @@ class RecoverySection:
     # the cluster's batch slots, at most outage_batch_boost (1: off; Lumen's workers, not SGLang's)
     resumed_first: bool = _OUTAGE.resumed_first
     outage_batch_boost: float = _OUTAGE.batch_boost
-    outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size (simulator only)
+    outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size (SGLang: priorities)
     outage_shortest_first_rate: float = _OUTAGE.shortest_first_rate  # ... aged: tokens per s waited
     max_attempts: int = 4  # worker attempts per request, the first included
     first_token_timeout_s: float = 120.0

@@ -90,3 +90,23 @@ def queue_rank(
         return (first, 0)
     rate = params.shortest_first_rate
     return (first, prefill_tokens if rate <= 0 else arrival + prefill_tokens / rate)
+
+
+# how far ahead of every other request a resumed attempt's priority puts it: more than any virtual
+# arrival a shell's clock reaches (milliseconds: 2**50 ms is ~35,700 years)
+_RESUMED_AHEAD_MS = 1 << 50
+
+
+def queue_priority(
+    attempt: int, prefill_tokens: int, params: OutageParams, recovering: bool, arrival: float
+) -> int:
+    """`queue_rank` as one integer, lower first, for a server that orders its queue by a request's
+    priority and then by when it queued (SGLang's `--enable-priority-scheduling
+    --schedule-low-priority-values-first`): milliseconds of virtual arrival (`arrival` itself outside
+    a recovery, so the order is FIFO; arrival + prefill / rate within one), minus `_RESUMED_AHEAD_MS`
+    for a resumed attempt. Unaged shortest-first (rate 0) ranks by prefill tokens, which, compared
+    with the milliseconds of requests queued before the recovery began, puts those last."""
+    first, value = queue_rank(attempt, prefill_tokens, params, recovering, arrival)
+    if not (recovering and params.shortest_first):
+        value = arrival
+    return round(value * 1000.0) - (_RESUMED_AHEAD_MS if first == 0 else 0)

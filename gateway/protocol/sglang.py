@@ -53,6 +53,9 @@ class SGLangGenerate(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_logprobs_num: int = 0
     # Lumen's checkpoint instruction for the plugin (part 2); None: no checkpoint of this attempt
     kv_hints: LumenKvHints | None = None
+    # the server's queue order (`--enable-priority-scheduling --schedule-low-priority-values-first`:
+    # lower first, then FIFO); None: not sent (a server without priority scheduling is given none)
+    priority: int | None = None
 
 
 class SGLangAbort(msgspec.Struct, kw_only=True):
@@ -72,13 +75,19 @@ def sglang_seed(seed_base: int) -> int:
 
 
 def to_sglang(
-    req: GenerateRequest, *, seed_base: int | None, epoch: int = 0, src_worker: str = ""
+    req: GenerateRequest,
+    *,
+    seed_base: int | None,
+    epoch: int = 0,
+    src_worker: str = "",
+    priority: int | None = None,
 ) -> SGLangGenerate:
     """Lumen's data-path request as SGLang's: the same ids and sampling, no extension.
 
     A greedy request carries no seed (it needs none); `seed_base` None sends none either. The holders
     of the `lumen` extension, if any, become `kv_hints` for Lumen's plugin (checkpoints, part 2), for
-    serving incarnation `epoch` of `src_worker`.
+    serving incarnation `epoch` of `src_worker`. `priority`: the queue position the gateway asks for
+    (`gateway.core.outage.queue_priority`), sent only to servers launched with priority scheduling.
     """
     rid = sglang_rid(req.rid)
     holders = req.lumen.checkpoint if req.lumen is not None else []
@@ -107,6 +116,7 @@ def to_sglang(
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         kv_hints=hints,
+        priority=priority,
     )
 
 
@@ -124,6 +134,30 @@ class SGLangRankLoad(msgspec.Struct, kw_only=True):
 
 class SGLangLoads(msgspec.Struct, kw_only=True):
     loads: list[SGLangRankLoad] = msgspec.field(default_factory=list)
+
+
+class SGLangServerInfo(msgspec.Struct, kw_only=True):
+    """The queue-order part of `GET /server_info`: SGLang 0.5.23 answers the resolved server arguments
+    by field name (`srt/server_args.py ServerArgs.resolved_dict`, fields in `srt/arg_groups/fields/
+    schedule.py`); more fields ignored."""
+
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    disable_priority_preemption: bool = False
+    schedule_policy: str = "fcfs"
+
+
+def orders_by_priority(info: SGLangServerInfo) -> bool:
+    """Whether a server orders its waiting queue by Lumen's priorities: lower values first, then by
+    when each request queued (the FCFS policy's sort, `srt/managers/schedule_policy.py
+    _sort_by_priority_and_fcfs`), and never preempts a running request for a queued one (Lumen's
+    priorities are virtual arrival times, far apart: SGLang's preemption threshold is 10)."""
+    return (
+        info.enable_priority_scheduling
+        and info.schedule_low_priority_values_first
+        and info.disable_priority_preemption
+        and info.schedule_policy == "fcfs"
+    )
 
 
 class SGLangVerifyMeta(msgspec.Struct, kw_only=True):

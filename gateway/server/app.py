@@ -18,7 +18,7 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.outage import BOOST_LEASE_S, OutageParams, admission_limit
+from gateway.core.outage import BOOST_LEASE_S, OutageParams, admission_limit, queue_priority
 from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
 from gateway.core.reload import DraftFirst
 from gateway.core.router import routing_params
@@ -44,6 +44,7 @@ from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.fences import FenceLedger
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
+from gateway.server.workers.server_info import ServerInfoReader
 from gateway.server.workers.sglang import SGLangPoller, SGLangTarget
 
 log = structlog.get_logger("lumen.gateway")
@@ -127,7 +128,7 @@ class Gateway:
             )
         # Lumen's modes: a larger batch on the serving workers while a recovery lasts (core/outage.py)
         self.outage: OutageAdmission | None = None
-        outage = OutageParams(
+        self.outage_params = outage = OutageParams(
             r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
         )
         if self.policy.outage_admission and (outage.batch_boost > 1 or outage.shortest_first):
@@ -146,6 +147,7 @@ class Gateway:
         # later start (the simulator's rule, `Coordinator.assist_wanted`); without draft assist, never
         self.control.draft_first = self._draft_first
         self.sglang: SGLangPoller | None = None
+        self.server_info: ServerInfoReader | None = None
         # draft assist on SGLang targets: the gateway verifies the drafts itself
         self.verifier: GatewayVerifier | None = None
         if self.assist is not None:
@@ -236,6 +238,9 @@ class Gateway:
             self.sessions.dispatcher.resume_hooks.append(self.outage.on_resume)
         if self.assist is not None:  # one estimate of the load's shape: the sessions feed it
             self.assist.shape = self.sessions.load_shape
+        # SGLang servers launched with priority scheduling keep the simulator's queue order
+        self.server_info = ServerInfoReader(self.monitor, self._http)
+        self.sessions.queue_priority = self._queue_priority
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         sg = self.config.sglang
         if sg.workers:  # agentless SGLang servers: the gateway attaches and polls them itself
@@ -249,6 +254,8 @@ class Gateway:
                 poll_interval_s=sg.poll_interval_ms / 1000,
                 misses=self.config.health.heartbeat_misses,
             )
+            if self.outage is not None:  # its polls are these workers' heartbeats
+                self.sglang.heartbeat_hooks.append(lambda _rec: self._outage_tick())
             self.sglang.start()
         if self.assist is not None:
             # re-pair at a few heartbeat intervals: loads move slowly, pairs should not flap
@@ -298,6 +305,8 @@ class Gateway:
             await self._runner.cleanup()
         if self.sglang is not None:
             await self.sglang.stop()
+        if self.server_info is not None:
+            await self.server_info.stop()
         if self.verifier is not None:
             await self.verifier.close()
         for task in (self._detector, self._assist_task, self._gray_task):
@@ -375,6 +384,12 @@ class Gateway:
         self.assist.params = with_load_shape(self.assist.params, self.assist.shape)
         view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()
         return draft_first_pays(view, self.assist.params, exclude=(worker_id,))
+
+    def _queue_priority(self, attempt: int, prefill_tokens: int) -> int:
+        """An SGLang request's priority now: the queue rank Lumen's workers and the simulator use
+        (resumed first, FIFO; aged shortest prefill first while a recovery lasts, Lumen's modes)."""
+        recovering = self.outage is not None and self.outage.recovering
+        return queue_priority(attempt, prefill_tokens, self.outage_params, recovering, time.monotonic())
 
     def _outage_tick(self) -> None:
         """After every heartbeat and state change: nothing to do outside a recovery but at its end."""

@@ -109,6 +109,9 @@ class SessionManager:
         self.recent_interrupted: deque[Session] = deque(maxlen=2000)
         # the load's shape as completed requests show it (the draft-assist gate judges it)
         self.load_shape = LoadShape()
+        # an SGLang server's queue position for (attempt, tokens to prefill), for servers that order
+        # by priority (`WorkerRecord.priority_order`); set by the app (core/outage.py queue_priority)
+        self.queue_priority: Callable[[int, int], int] | None = None
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
         if len(self.live) >= self.max_concurrent:
@@ -273,8 +276,13 @@ class SessionManager:
             )
         req = attempt_request(s, wrid, worker.incarnation, holders, self.recovery.orphan_grace_s)
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
+        priority = None
+        if sglang and worker.priority_order and self.queue_priority is not None:
+            priority = self.queue_priority(s.attempts, len(req.input_ids))
         body: msgspec.Struct = (
-            to_sglang(req, seed_base=s.seed_base, epoch=worker.incarnation, src_worker=worker.id)
+            to_sglang(
+                req, seed_base=s.seed_base, epoch=worker.incarnation, src_worker=worker.id, priority=priority
+            )
             if sglang
             else req
         )

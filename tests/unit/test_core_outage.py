@@ -10,6 +10,7 @@ from gateway.core.outage import (
     backlog_drained,
     outage_boost,
     queue_first,
+    queue_priority,
     queue_rank,
 )
 from gateway.core.types import ParamError
@@ -111,3 +112,42 @@ def test_without_aging_shortest_first_is_pure_and_a_negative_rate_is_refused() -
     with pytest.raises(ParamError) as exc:
         OutageParams(shortest_first_rate=-1.0)
     assert exc.value.field == "shortest_first_rate"
+
+
+# one queued request: (attempt, tokens to prefill, arrival in s)
+_queued = st.tuples(st.integers(1, 4), st.integers(1, 200_000), st.floats(0.0, 1e6, allow_nan=False))
+
+
+@given(st.lists(_queued, min_size=2, max_size=30), st.booleans(), st.sampled_from([500.0, 2000.0, 4000.0]))
+def test_a_servers_priority_order_is_the_queue_rank_order_with_fifo_ties(
+    reqs: list[tuple[int, int, float]], recovering: bool, rate: float
+) -> None:
+    """An SGLang server sorts by (priority, queue entry): queued in arrival order, the order it
+    serves is the one `queue_rank` gives (ties FIFO), to the millisecond the integers keep."""
+    params = OutageParams(shortest_first=True, shortest_first_rate=rate)
+    queued = sorted(reqs, key=lambda r: r[2])  # the server's queue is in arrival order
+    by_priority = sorted(queued, key=lambda r: queue_priority(r[0], r[1], params, recovering, r[2]))
+    by_rank = sorted(queued, key=lambda r: queue_rank(r[0], r[1], params, recovering, r[2]))
+    rank = {id(r): queue_rank(r[0], r[1], params, recovering, r[2]) for r in queued}
+    for a, b in zip(by_priority, by_rank, strict=True):
+        if a is not b:  # only requests within a millisecond of each other may swap
+            ra, rb = rank[id(a)], rank[id(b)]
+            assert ra[0] == rb[0]
+            assert abs((ra[1] or a[2]) - (rb[1] or b[2])) < 1e-3
+
+
+def test_a_resumed_attempt_goes_ahead_of_any_new_request_and_fifo_holds_outside_a_recovery() -> None:
+    params = OutageParams()
+    new_early = queue_priority(1, 10, params, False, 5.0)
+    new_late = queue_priority(1, 10, params, False, 6.0)
+    resumed_late = queue_priority(2, 90_000, params, False, 1e7)
+    assert resumed_late < new_early < new_late
+    # while recovering, a short prompt arriving 0.1 s after a 4,000-token one goes first (rate 2,000)
+    long_first = queue_priority(1, 4000, params, True, 100.0)
+    short_after = queue_priority(1, 10, params, True, 100.1)
+    assert short_after < long_first
+    # ...but not one arriving more than 4000 / 2000 = 2 s later (aging bounds the wait)
+    assert queue_priority(1, 10, params, True, 102.1) > long_first
+    # shortest-first off: FIFO even while recovering
+    fifo = OutageParams(shortest_first=False)
+    assert queue_priority(1, 4000, fifo, True, 100.0) < queue_priority(1, 10, fifo, True, 100.1)

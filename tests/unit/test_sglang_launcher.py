@@ -14,6 +14,7 @@ from worker_hooks.sglang.__main__ import parse
 from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.launcher import (
     LAUNCHER_ENV,
+    PRIORITY_FLAGS,
     WEIGHTS_GROUP_PORT_DELTA,
     LaunchError,
     launcher_prefix,
@@ -35,6 +36,8 @@ def test_the_flags_lumen_needs_are_added_when_missing() -> None:
     assert server_args(URL, ["--model-path", "m"]) == [
         "--model-path", "m", "--host", "127.0.0.1", "--port", "30000",
         "--sampling-backend", "pytorch", "--enable-deterministic-inference",
+        "--enable-priority-scheduling", "--schedule-low-priority-values-first",
+        "--disable-priority-preemption",
     ]  # fmt: skip
 
 
@@ -43,7 +46,24 @@ def test_flags_already_given_are_kept_once() -> None:
     assert server_args(URL, [*args, "--enable-deterministic-inference"]) == [
         *args,
         "--enable-deterministic-inference",
+        *PRIORITY_FLAGS,
     ]
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [
+        ["--schedule-policy", "lpm"],  # a policy of the operator's: no priority order
+        ["--enable-priority-scheduling"],  # priority scheduling as the operator set it up
+        ["--schedule-policy=fcfs", "--enable-priority-scheduling", "--schedule-low-priority-values-first"],
+    ],
+)
+def test_a_queue_order_chosen_in_the_launch_arguments_is_left_as_given(chosen: list[str]) -> None:
+    """The gateway reads what the server runs with from /server_info (gateway/server/workers/
+    server_info.py) and sends priorities only where they order the queue as Lumen's do."""
+    out = server_args(URL, chosen)
+    assert out[: len(chosen)] == chosen
+    assert not set(PRIORITY_FLAGS) & set(out[len(chosen) :])
 
 
 @pytest.mark.parametrize(

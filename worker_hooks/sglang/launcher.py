@@ -57,6 +57,16 @@ REQUIRED_FLAGS: tuple[tuple[str, str | None], ...] = (
     ("--enable-deterministic-inference", None),
 )
 
+# the queue order Lumen asks of a server by each request's priority (gateway/core/outage.py
+# queue_priority): lower values first, no preemption of running requests (srt/arg_groups/fields/
+# schedule.py). Added unless the launch arguments choose priority scheduling or a policy themselves;
+# the gateway reads what the server runs with from its /server_info either way.
+PRIORITY_FLAGS = (
+    "--enable-priority-scheduling",
+    "--schedule-low-priority-values-first",
+    "--disable-priority-preemption",
+)
+
 
 # flags of SGLang's remote-instance weight loader (srt/arg_groups/fields/model.py), all taking one value
 LOAD_FORMAT = "--load-format"
@@ -134,6 +144,8 @@ def server_args(url: str, args: Sequence[str]) -> list[str]:
             raise LaunchError(
                 f"{flag} {given}: Lumen needs {flag} {value} (seeded sampling and exact replays)"
             )
+    if _flag_value(args, PRIORITY_FLAGS[0]) is None and _flag_value(args, "--schedule-policy") is None:
+        out += list(PRIORITY_FLAGS)
     return out
 
 

@@ -93,6 +93,9 @@ class WorkerRecord:
     failure_domain: str = ""
     page_size: int = DEFAULT_PAGE_SIZE
     engine: EngineKind = EngineKind.LUMEN
+    # an SGLang server that orders its queue by each request's priority (its /server_info, read once
+    # it serves: gateway/server/workers/server_info.py)
+    priority_order: bool = False
     # seconds between this worker's heartbeats (None: the control plane's interval); an agentless
     # SGLang server's heartbeats are the gateway's own polls of its /v1/loads
     heartbeat_interval_s: float | None = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -68,6 +69,8 @@ class SGLangPoller:
         self._tasks: list[asyncio.Task[None]] = []
         self._incarnation: dict[str, int] = {}
         self._stopping = False
+        # called after each poll that served as a heartbeat (the app's recovery bookkeeping)
+        self.heartbeat_hooks: list[Callable[[WorkerRecord], None]] = []
 
     def start(self) -> None:
         for t in self.targets:
@@ -126,6 +129,8 @@ class SGLangPoller:
             else:
                 unready = 0
                 self.monitor.heartbeat(rec, _heartbeat(loads))
+                for hook in self.heartbeat_hooks:
+                    hook(rec)
             await asyncio.sleep(self.interval_s)
 
     async def _attach_when_ready(self, t: SGLangTarget) -> WorkerRecord:
