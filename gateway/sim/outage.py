@@ -26,6 +26,7 @@ class SimOutage:
         self.shaping = shaping  # the mode has Lumen's outage levers (baselines: only resumed-first)
         self.recovering = False
         self.down_peak = 0  # the most workers out at once during the current recovery
+        self.boost = 1.0  # the batch-limit factor in force (`outage_boost`; 1 outside a recovery)
         self.base_running = workers[0].max_running if workers else 0
 
     def rank(self, r: SimRequest) -> tuple[int, float]:
@@ -66,9 +67,8 @@ class SimOutage:
         if on:
             down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY or not w.alive)
             self.down_peak = max(self.down_peak, down)
-        limit = admission_limit(
-            self.base_running, outage_boost(self.params, on, len(self.workers), self.down_peak)
-        )
+        self.boost = outage_boost(self.params, on, len(self.workers), self.down_peak)
+        limit = admission_limit(self.base_running, self.boost)
         for w in self.workers:
             if w.max_running != limit:
                 w.max_running = limit

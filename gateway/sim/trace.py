@@ -3,10 +3,12 @@
 `TraceRecorder.attach(sim)` wraps the coordinator of a `Simulation` before it runs and records, in
 order, what the live gateway would observe (worker loads as heartbeats would report them, arrivals,
 ends, kills, state changes, the durable prefix holders report) and every decision the simulator
-took from them (routing, holder choice and reassignment, recovery dispatch, draft-assist pairs).
-The equivalence test feeds the same trace to the live `LoadMonitor` / `CheckpointManager` /
-`SessionManager` / `DraftCoordinator` on a fake clock and requires the same decisions: the two
-shells must keep the same books around the same `gateway.core` functions.
+took from them (routing, holder choice and reassignment, recovery dispatch, draft-assist pairs, and
+the outage admission: the recovery's start, batch-limit factor and end, and each worker's batch limit
+and queue order as `SimOutage` applies them). The equivalence test feeds the same trace to the live
+`LoadMonitor` / `CheckpointManager` / `SessionManager` / `DraftCoordinator` / `OutageAdmission` on a
+fake clock and requires the same decisions: the two shells must keep the same books around the same
+`gateway.core` functions.
 
 The recorder only observes; a recorded run's results are the same as an unrecorded one's.
 """
@@ -18,9 +20,10 @@ from typing import Any
 
 from gateway.core.health import WorkerState
 from gateway.sim.coordinator import Coordinator
+from gateway.sim.outage import SimOutage
 from gateway.sim.request import SimRequest
 from gateway.sim.simulation import Simulation
-from gateway.sim.worker import SimWorker
+from gateway.sim.worker import SimWorker, fifo_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +122,44 @@ class Pairs:
     pairs: tuple[tuple[str, str], ...]  # decision: (drafter, target), sorted
 
 
-Event = Attach | Load | Route | Attempt | Release | Kill | State | Reassign | Durable | Recover | Pairs
+@dataclass(frozen=True, slots=True)
+class Outage:
+    """The simulator's outage admission changed (gateway/sim/outage.py): a recovery started, its boost
+    changed (more workers out at once) or it ended (`recovering` False, boost 1)."""
+
+    t: float
+    recovering: bool  # decision
+    boost: float  # decision: the batch-limit factor (`outage_boost`)
+    down_peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What the simulator applied to one worker (every worker, the dead ones too, as `SimOutage`
+    does): its batch limit and whether its queue is ordered shortest prefill first."""
+
+    t: float
+    worker: str
+    incarnation: int
+    limit: int  # decision: `admission_limit(base, boost)`
+    shortest_first: bool  # decision
+
+
+Event = (
+    Attach
+    | Load
+    | Route
+    | Attempt
+    | Release
+    | Kill
+    | State
+    | Reassign
+    | Durable
+    | Recover
+    | Pairs
+    | Outage
+    | Admission
+)
 
 
 class TraceRecorder:
@@ -127,17 +167,23 @@ class TraceRecorder:
         self.events: list[Event] = []
         self._loads: dict[str, tuple[int, int, int, int]] = {}
         self._pairs: tuple[tuple[str, str], ...] = ()
+        self._outage: tuple[bool, float] = (False, 1.0)
+        self._admitted: dict[str, tuple[int, bool]] = {}
         self._now = 0.0
 
     def decisions(self) -> list[Event]:
-        return [e for e in self.events if isinstance(e, Route | Attempt | Reassign | Recover | Pairs)]
+        kinds = Route | Attempt | Reassign | Recover | Pairs | Outage | Admission
+        return [e for e in self.events if isinstance(e, kinds)]
 
     def attach(self, sim: Simulation) -> None:
         """Record `sim`'s gateway side from now on (call before `sim.run()`)."""
         coord = sim.coord
         for w in coord.workers:
             self.events.append(Attach(0.0, w.id, w.kv_capacity, w.ckpt_budget_bytes, w.domain))
+            self._admitted[w.id] = (w.max_running, w.rank_of is not fifo_rank)
         self._wrap(coord)
+        self._wrap_outage(coord.outage)
+        self._wrap_clock(sim)
 
     # -- wrappers -----------------------------------------------------------------------------------
     def _wrap(self, coord: Coordinator) -> None:
@@ -227,6 +273,39 @@ class TraceRecorder:
         coord.holder_failed = holder_failed_w  # type: ignore[method-assign]
         coord.recover = recover_w  # type: ignore[method-assign]
         coord.repair = repair_w  # type: ignore[method-assign]
+
+    def _wrap_clock(self, sim: Simulation) -> None:
+        """Stamp the events of a kill, a detection and a reload phase with their own time (the
+        coordinator's `freeze` and `set_state` are not told it)."""
+        for name in ("_strike", "_detect", "_phase", "_restart_hung"):
+            handler = getattr(sim, name)
+
+            def stamped(*args: Any, _handler: Any = handler) -> None:
+                self._now = args[-1]
+                _handler(*args)
+
+            setattr(sim, name, stamped)
+
+    def _wrap_outage(self, outage: SimOutage) -> None:
+        """Every batch limit and queue order `SimOutage` sets (all of them go through `_admit`, after
+        `set_recovering` has re-ranked the queues) and the recovery's state and factor."""
+        admit = outage._admit
+        events = self.events
+
+        def admit_w(now: float) -> int:
+            limit = admit(now)
+            state = (outage.recovering, outage.boost)
+            if state != self._outage:
+                self._outage = state
+                events.append(Outage(now, outage.recovering, outage.boost, outage.down_peak))
+            for w in outage.workers:
+                applied = (w.max_running, w.rank_of is not fifo_rank)
+                if applied != self._admitted[w.id]:
+                    self._admitted[w.id] = applied
+                    events.append(Admission(now, w.id, w.incarnation, *applied))
+            return limit
+
+        outage._admit = admit_w  # type: ignore[method-assign]
 
     def _snapshot(self, coord: Coordinator) -> None:
         """A Load event for every worker whose view changed since the last one."""

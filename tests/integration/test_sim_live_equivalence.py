@@ -4,13 +4,17 @@ The simulator runs a small scenario with failures and draft assist while `TraceR
 the gateway side observed and decided. The trace is then fed, on a fake clock, to the live gateway's
 own objects: `LoadMonitor` (Hellos, heartbeats, detach), `CheckpointManager` (assign, durable
 reports, release, holder failure), `SessionManager._pick` (the router and recovery dispatch exactly
-as a live request resumes) and `DraftCoordinator.reconcile` (pairing). Every decision must match:
-routing, holder choice, holder reassignment, restore/replay and where, and draft-assist pairs.
+as a live request resumes), `DraftCoordinator.reconcile` (pairing) and `OutageAdmission` (the outage
+levers, wired as the gateway wires it; its SetAdmission messages applied to each worker's lease book
+as Lumen's worker applies them). Every decision must match: routing, holder choice, holder
+reassignment, restore/replay and where, draft-assist pairs, and the outage admission in force (the
+recovery, its batch-limit factor, each worker's batch limit and queue order) at every decision.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,11 +23,14 @@ import pytest
 from gateway.config import RecoverySection
 from gateway.core.health import WorkerState
 from gateway.core.modes import policy_for
+from gateway.core.outage import BOOST_LEASE_S, OutageParams, admission_limit, outage_boost
+from gateway.core.pairing import with_batch_limit
 from gateway.protocol import control_pb2 as pb
 from gateway.server.api.errors import NoWorkerAvailable
 from gateway.server.api.jobs import GenerateJob, Sampling
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.outage import OutageAdmission
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.session_records import Interruption, Session
@@ -35,6 +42,7 @@ from gateway.sim.result import RunResult
 from gateway.sim.scenario import parse_scenario
 from gateway.sim.simulation import Simulation
 from gateway.sim.workload import synthetic
+from worker_hooks.engine.admission import AdmissionLeases
 
 SCENARIO: dict[str, Any] = {
     "cluster": {
@@ -43,19 +51,17 @@ SCENARIO: dict[str, Any] = {
         "gpu": "H100-80G",
         "draft_model": "Qwen3-1.7B",
         "draft_load_s": 2.0,
-        "model_load_s": 16.0,
+        "model_load_s": 20.0,
     },
     "workload": {"source": "synthetic", "rate": 30.0, "duration_s": 40.0},
     # a server dies (its requests resume, its checkpoints are re-homed); later two more at once
     "failures": [{"at_s": 10.0, "workers": ["w0"]}, {"at_s": 24.0, "workers": ["w1", "w3"]}],
-    # the outage batch boost off: the live side of it (OutageAdmission, fed by the control plane's
-    # heartbeat hooks) is not part of this replay; tests/integration/test_outage_admission.py and
-    # tests/e2e/test_outage_boost.py cover it
-    "recovery": {"tau": 256, "theta": 1.0, "outage_batch_boost": 1.0},
-    # drafts accepted often enough, and a full reload (16 s) long enough, that loading the draft first
-    # pays here (at the default 0.7, or an 8 s reload, the cost gate rightly loads the full model
-    # directly on this conv load: docs/design.md 4.5)
-    "draft": {"agreement": 0.8},
+    # the outage levers at their defaults (batch boost up to 1.5, aged shortest prefill first)
+    "recovery": {"tau": 256, "theta": 1.0},
+    # drafts accepted often enough, and a full reload (20 s) long enough, that loading the draft first
+    # pays here even on the boosted batch the gate then judges (at 0.8 with a 16 s reload it pays only
+    # without the boost; at the default 0.7 it does not: docs/design.md 4.5)
+    "draft": {"agreement": 0.95},
 }
 
 PHASE = {
@@ -63,6 +69,19 @@ PHASE = {
     WorkerState.DRAFT_READY: pb.DRAFT_READY,
     WorkerState.HEALTHY: pb.SERVING,
 }
+
+
+HEARTBEAT_S = 0.02  # the live shell's heartbeat interval
+
+
+@dataclass(frozen=True, slots=True)
+class InForce:
+    """The outage admission in force in one shell at one moment."""
+
+    recovering: bool
+    boost: float  # the batch-limit factor
+    # each worker the gateway sees HEALTHY: (its batch limit, its shortest-first rate; None: FIFO)
+    workers: dict[str, tuple[int, float | None]]
 
 
 class Clock:
@@ -87,9 +106,9 @@ class LiveShell:
     """The live gateway's coordinator objects, driven by a trace instead of sockets."""
 
     def __init__(self, sim: Simulation) -> None:
-        c = sim.coord
+        c, lever = sim.coord, sim.scenario.recovery
         self.clock = Clock()
-        self.monitor = LoadMonitor(clock=self.clock, heartbeat_interval_s=0.02, heartbeat_misses=3)
+        self.monitor = LoadMonitor(clock=self.clock, heartbeat_interval_s=HEARTBEAT_S, heartbeat_misses=3)
         self.control = ControlService(self.monitor, token="", heartbeat_interval_ms=20)
         self.ckpt = CheckpointManager(
             monitor=self.monitor,
@@ -111,7 +130,14 @@ class LiveShell:
         self.sessions = SessionManager(
             monitor=self.monitor,
             http=None,  # type: ignore[arg-type]  # _pick never touches HTTP
-            recovery=RecoverySection(mode=c.policy.name, no_worker_wait_s=0.0),
+            recovery=RecoverySection(
+                mode=c.policy.name,
+                no_worker_wait_s=0.0,
+                resumed_first=lever.resumed_first,
+                outage_batch_boost=lever.outage_batch_boost,
+                outage_shortest_first=lever.outage_shortest_first,
+                outage_shortest_first_rate=lever.outage_shortest_first_rate,
+            ),
             load_params=c.load,
             metrics=GatewayMetrics(),
             policy=c.policy,
@@ -121,11 +147,64 @@ class LiveShell:
             clock=self.clock,
             route_params=c.route_load,
         )
+        # the outage admission, built and wired as gateway/server/app.py does (Lumen's modes only):
+        # started by the dispatcher's resume hook, ticked after every heartbeat and state change
+        r = self.sessions.recovery
+        params = OutageParams(
+            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+        )
+        assert params == c.outage.params  # the scenario's levers reach both shells alike
+        self.base_running = c.outage.base_running
+        self.outage: OutageAdmission | None = None
+        if c.policy.outage_admission:
+            self.outage = OutageAdmission(
+                monitor=self.monitor,
+                control=self.control,
+                params=params,
+                clock=self.clock,
+                lease_s=max(BOOST_LEASE_S, 3 * HEARTBEAT_S),
+            )
+            self.sessions.dispatcher.resume_hooks.append(self.outage.on_resume)
+            self.control.heartbeat_hooks.append(lambda _rec, _beat: self._outage_tick())
+            self.monitor.on_state_change.append(lambda _ev: self._outage_tick())
+        # the control seam: each SetAdmission sent (still queued to its worker's outbox) is applied
+        # to that worker incarnation's own lease book, as Lumen's worker applies it (agent.py)
+        self.leases: dict[tuple[str, int], AdmissionLeases] = {}
+        self.grants = 0
+        send = self.control.send
+
+        def send_and_apply(wid: str, msg: pb.GatewayMessage) -> bool:
+            ok = send(wid, msg)
+            if ok and msg.HasField("set_admission"):
+                a = msg.set_admission
+                book = self.leases.setdefault(
+                    (wid, msg.incarnation), AdmissionLeases(self.base_running, self.clock)
+                )
+                book.grant(
+                    "gw", a.batch_boost, a.lease_s, a.shortest_first_rate if a.shortest_first else None
+                )
+                self.grants += 1
+            return ok
+
+        self.control.send = send_and_apply  # type: ignore[method-assign,assignment]
+        # the simulator's outage admission as recorded: the last Outage event, each worker's Admission
+        self.sim_outage = tr.Outage(0.0, False, 1.0, 0)
+        self.sim_admitted: dict[str, tuple[int, bool]] = {}
+        self.sim_rate = c.outage.params.shortest_first_rate
+        self.shaping = c.policy.outage_admission
         self.hello: dict[str, pb.Hello] = {}
         self.killed: set[str] = set()
         self.phase: dict[str, int] = {}
         self.live: dict[int, Session] = {}
         self.decisions: list[tuple[Any, ...]] = []
+
+    def _outage_tick(self) -> None:
+        """`GatewayApp._outage_tick`: re-judge the recovery; the pairing gate judges the boosted batch."""
+        if self.outage is None or not self.outage.recovering:
+            return
+        self.outage.tick()
+        limit = admission_limit(self.base_running, self.outage.boost)
+        self.assist.params = with_batch_limit(self.assist.params, limit)
 
     # -- observations -------------------------------------------------------------------------------
     def on_attach(self, e: tr.Attach) -> None:
@@ -222,6 +301,12 @@ class LiveShell:
         )
         self.decisions.append(("attempt", e.rid, e.attempt, tuple(r.worker_id for r in refs)))
 
+    def on_outage(self, e: tr.Outage) -> None:
+        self.sim_outage = e
+
+    def on_admission(self, e: tr.Admission) -> None:
+        self.sim_admitted[e.worker] = (e.limit, e.shortest_first)
+
     def reassignments(self) -> list[tuple[Any, ...]]:
         out = []
         for box in self.control.outboxes.values():
@@ -236,6 +321,29 @@ class LiveShell:
     def on_pairs(self, e: tr.Pairs) -> None:
         self.assist.reconcile()
         self.decisions.append(("pairs", tuple(sorted(self.assist.pairs.items()))))
+
+    def in_force(self) -> tuple[InForce, InForce]:
+        """The outage admission in force now, (live, simulator), over the workers the gateway sees
+        HEALTHY. Live: `OutageAdmission`'s judgement and each worker incarnation's lease book.
+        Simulator: its last Outage event and each worker's last Admission (before any: the base limit,
+        FIFO)."""
+        base, rate = self.base_running, self.sim_rate
+        live_w, sim_w = {}, {}
+        for wid, rec in self.monitor.workers.items():
+            if rec.state is WorkerState.HEALTHY:
+                book = self.leases.get((wid, rec.incarnation))
+                live_w[wid] = (book.limit(), book.shortest_first_rate()) if book else (base, None)
+                limit, sjf = self.sim_admitted.get(wid, (base, False))
+                sim_w[wid] = (limit, rate if sjf else None)
+        o, so = self.outage, self.sim_outage
+        live = InForce(o.recovering, o.boost, live_w) if o else InForce(False, 1.0, live_w)
+        return live, InForce(so.recovering and self.shaping, so.boost, sim_w)
+
+    def unseen(self) -> tuple[int, int]:
+        """(workers the gateway sees out, workers killed that it has not seen fail yet)."""
+        out = sum(1 for r in self.monitor.workers.values() if r.state is not WorkerState.HEALTHY)
+        killed = sum(1 for w in self.killed if self.monitor.workers[w].state is WorkerState.HEALTHY)
+        return out, killed
 
     async def _pick(self, s: Session) -> str | None:
         try:
@@ -258,9 +366,15 @@ def sim_decisions(events: list[tr.Event]) -> list[tuple[Any, ...]]:
     return out
 
 
-async def replay(sim: Simulation, events: list[tr.Event]) -> tuple[list[Any], list[Any], list[Any]]:
-    """Feed the trace; returns (live decisions, live reassignments, the sim's reassignments)."""
+DECISIONS = (tr.Route, tr.Recover, tr.Attempt, tr.Pairs)
+
+
+async def replay(sim: Simulation, events: list[tr.Event]) -> Replayed:
+    """Feed the trace to a `LiveShell`; what each side decided."""
     shell = LiveShell(sim)
+    points: list[Point] = []
+    changes: list[tuple[float, bool, float]] = []  # the live admission's (when, recovering, boost)
+    at_end: dict[str, tuple[int, float | None]] = {}
     live_re: list[Any] = []
     sim_re: list[Any] = []
     dead: list[str] = []
@@ -281,7 +395,34 @@ async def replay(sim: Simulation, events: list[tr.Event]) -> tuple[list[Any], li
         result = getattr(shell, f"on_{type(e).__name__.lower()}")(e)
         if asyncio.iscoroutine(result):
             await result
-    return shell.decisions, sorted(live_re), sorted(sim_re)
+        live, sim_now = shell.in_force()
+        if (live.recovering, live.boost) != (changes[-1][1:] if changes else (False, 1.0)):
+            changes.append((e.t, live.recovering, live.boost))
+            if not live.recovering:
+                at_end = live.workers  # every grant withdrawn at once, not left to expire
+        if isinstance(e, DECISIONS):
+            points.append(Point(e, live, sim_now, *shell.unseen()))
+    return Replayed(shell, shell.decisions, sorted(live_re), sorted(sim_re), points, changes, at_end)
+
+
+@dataclass
+class Replayed:
+    shell: LiveShell
+    decisions: list[Any]  # the live shell's decisions
+    live_re: list[Any]  # holder reassignments: the live shell's
+    sim_re: list[Any]  # ... the simulator's
+    points: list[Point]  # the outage admission in force after every gateway decision
+    changes: list[tuple[float, bool, float]]  # the live admission's (when, recovering, boost)
+    at_end: dict[str, tuple[int, float | None]]  # each worker's admission as the live recovery ended
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    event: tr.Event  # a gateway decision (Route, Recover, Attempt, Pairs), just taken
+    live: InForce
+    sim: InForce
+    out: int  # workers the gateway sees out
+    unseen: int  # workers killed that the gateway has not seen fail yet
 
 
 @pytest.mark.parametrize("mode", ["lumen", "lumen-cost", "fixed_checkpoint", "stop_restart"])
@@ -291,7 +432,8 @@ async def test_live_coordinator_takes_the_simulators_decisions(mode: str) -> Non
     expected = sim_decisions(events)
     kinds = {d[0] for d in expected}
     assert {"route", "recover", "attempt"} <= kinds, kinds
-    live, live_re, sim_re = await replay(sim, events)
+    out = await replay(sim, events)
+    live, live_re, sim_re = out.decisions, out.live_re, out.sim_re
     for i, (a, b) in enumerate(zip(live, expected, strict=True)):
         assert a == b, f"decision {i}: live {a} != sim {b}"
     assert live_re == sim_re
@@ -301,6 +443,66 @@ async def test_live_coordinator_takes_the_simulators_decisions(mode: str) -> Non
         assert "restore" in actions, actions
     if sim.policy.draft_assist:
         assert any(d[0] == "pairs" and d[1] for d in expected), "the scenario must pair a drafter"
+
+
+@pytest.mark.parametrize("mode", ["lumen", "lumen-cost", "fixed_checkpoint", "stop_restart"])
+async def test_live_outage_admission_takes_the_simulators_boosts(mode: str) -> None:
+    """The outage levers (issue 17) in both shells: the live `OutageAdmission`, started by the
+    dispatcher's resume hook and ticked by heartbeats and state changes as in the gateway, grants
+    through the control service what the simulator's `SimOutage` applies.
+
+    "The same moment": (1) the recovery's changes (start, each new factor, end) are the same values
+    in the same order at the same trace time; (2) after every gateway decision (route, recovery
+    dispatch, attempt, pairing) the recovery, its factor, and each HEALTHY worker's batch limit and
+    queue order in force (live: the lease book of the worker's incarnation, fed the SetAdmission
+    messages sent) are the same; (3) at the end every grant is withdrawn (boost 1, FIFO) at once.
+    One known divergence is allowed, and only it: the simulator judges at its sampling tick with the
+    workers' true liveness, so a tick between a kill and its detection raises the factor before the
+    gateway can (docs/results.md); at such a decision the simulator's factor must be the core's for
+    the workers the gateway sees out plus those killed unseen, and the live one catches up when it
+    sees them fail (within `recovery.detection_s`)."""
+    sim, rec, _ = record(mode)
+    out = await replay(sim, rec.events)
+    coord, events = sim.coord, rec.events
+    params, n, base = coord.outage.params, len(coord.workers), coord.outage.base_running
+    sim_changes = [(e.t, e.recovering, e.boost) for e in events if isinstance(e, tr.Outage)]
+    admitted = [e for e in events if isinstance(e, tr.Admission)]
+    if not sim.policy.outage_admission:  # the baselines: no boost, FIFO; the live gateway sends nothing
+        assert all(b == 1.0 for _, _, b in sim_changes) and not admitted
+        assert out.shell.grants == 0 and out.changes == []
+        assert all(p.live == p.sim for p in out.points)
+        return
+    # the scenario exercises a start, a raise to the cap, an end, and pairing under the boost
+    assert [b for _, _, b in sim_changes] == [4 / 3, 1.5, 1.0] and not sim_changes[-1][1]
+    assert any(isinstance(p.event, tr.Pairs) and p.event.pairs and p.sim.boost > 1 for p in out.points)
+    assert out.shell.grants > 0
+
+    # (1) the same changes; at the same time but where the simulator saw a kill the gateway had not
+    detected = {e.worker: e.t for e in events if isinstance(e, tr.State) and e.state is WorkerState.FAILED}
+    assert [c[1:] for c in out.changes] == [c[1:] for c in sim_changes]
+    for (lt, _, _), (st, _, _) in zip(out.changes, sim_changes, strict=True):
+        if lt != st:
+            assert 0 < lt - st <= sim.scenario.recovery.detection_s + 1e-9, (lt, st)
+            assert lt in detected.values(), (lt, st)
+
+    # (2) the same admission in force after every gateway decision
+    ahead = 0
+    for i, p in enumerate(out.points):
+        if p.live == p.sim:
+            continue
+        ahead += 1
+        e = p.event
+        assert p.unseen > 0, f"decision {i} ({e}): live {p.live} != sim {p.sim}"
+        boost = outage_boost(params, True, n, p.out + p.unseen)
+        limit = (admission_limit(base, boost), params.shortest_first_rate if params.shortest_first else None)
+        assert p.sim == InForce(True, boost, dict.fromkeys(p.live.workers, limit)), (i, e)
+    assert ahead <= 10, ahead  # a few decisions in one detection window, no more
+    assert len(out.points) - ahead > 2000
+
+    # (3) the same end: every grant withdrawn when the live recovery ends
+    live = out.shell.outage
+    assert live is not None and not live.recovering and live.boost == 1.0
+    assert out.at_end and set(out.at_end.values()) == {(base, None)}
 
 
 def test_recording_does_not_change_the_run() -> None:
