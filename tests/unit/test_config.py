@@ -154,7 +154,7 @@ def test_policy_defaults_and_bounds_have_one_home() -> None:
 
 
 def test_cluster_commands_read_the_admin_keys_the_gateway_reads() -> None:
-    from gateway.cli import admin_key
+    from gateway.cli.admin import admin_key
 
     assert admin_key({"LUMEN_ADMIN_API_KEYS": " first-key-1234 , second-key-5678"}) == "first-key-1234"
     assert admin_key({"LUMEN_ADMIN_API_KEY": "legacy-key-1234"}) == "legacy-key-1234"

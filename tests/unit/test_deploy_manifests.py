@@ -234,7 +234,7 @@ SECRET_ENV = {"LUMEN_CONTROL_TOKEN", "LUMEN_API_KEYS", "LUMEN_ADMIN_API_KEYS", "
 ENV_READERS = {
     "gateway": ("gateway/config/loader.py",),
     "cluster-up": ("gateway/config/loader.py",),
-    "worker": ("gateway/cli.py", "gateway/protocol/secrets.py"),
+    "worker": ("gateway/cli/__init__.py", "gateway/protocol/secrets.py"),
     "sglang-agent": ("worker_hooks/sglang/__main__.py", "gateway/protocol/secrets.py"),
     "sglang-server": (),
 }

@@ -6,11 +6,9 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
-from collections.abc import Mapping
 from typing import Any
 
+from gateway.cli.admin import cmd_cluster_kill, cmd_cluster_status
 from gateway.core.modes import MODES
 from gateway.protocol.faults import FAULT_MODES
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
@@ -158,54 +156,6 @@ def _sglang_launch(args: argparse.Namespace) -> Any:
 def _usage(message: str) -> SystemExit:
     print(f"lumen cluster up: {message}", file=sys.stderr)
     return SystemExit(2)
-
-
-def admin_key(env: Mapping[str, str]) -> str | None:
-    """The admin key `lumen cluster kill/status` present: the first of LUMEN_ADMIN_API_KEYS (the
-    variable the gateway reads its admin keys from), else LUMEN_ADMIN_API_KEY."""
-    keys = [k.strip() for k in env.get("LUMEN_ADMIN_API_KEYS", "").split(",") if k.strip()]
-    return keys[0] if keys else env.get("LUMEN_ADMIN_API_KEY") or None
-
-
-def _admin(port: int, method: str, path: str) -> Any:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
-    key = admin_key(os.environ)
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        print(
-            f"lumen: {method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr
-        )
-        raise SystemExit(1) from exc
-    except urllib.error.URLError as exc:
-        print(f"lumen: cannot reach the gateway on port {port}: {exc.reason}", file=sys.stderr)
-        raise SystemExit(1) from exc
-
-
-def cmd_cluster_kill(args: argparse.Namespace) -> int:
-    print(
-        json.dumps(
-            _admin(
-                args.port,
-                "POST",
-                f"/admin/workers/{args.worker_id}/kill?mode={args.kill_mode}"
-                + (f"&factor={args.factor:g}" if args.kill_mode == "slow" else ""),
-            )
-        )
-    )
-    return 0
-
-
-def cmd_cluster_status(args: argparse.Namespace) -> int:
-    for w in _admin(args.port, "GET", "/admin/workers"):
-        print(
-            f"{w['id']:>4} {w['state']:<11} inc={w['incarnation']} running={w['running']} "
-            f"waiting={w['waiting']} load={w['load']}"
-        )
-    return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -457,7 +407,3 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lumen: invalid configuration: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
