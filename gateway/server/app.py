@@ -43,6 +43,7 @@ from gateway.server.recovery.reload import ReloadCoordinator
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.fences import FenceLedger
+from gateway.server.workers.held import HeldBatches
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
 from gateway.server.workers.server_info import ServerInfoReader
 from gateway.server.workers.sglang import SGLangPoller, SGLangTarget
@@ -148,6 +149,7 @@ class Gateway:
         self.control.draft_first = self._draft_first
         self.sglang: SGLangPoller | None = None
         self.server_info: ServerInfoReader | None = None
+        self.held: HeldBatches | None = None
         # draft assist on SGLang targets: the gateway verifies the drafts itself
         self.verifier: GatewayVerifier | None = None
         if self.assist is not None:
@@ -234,7 +236,12 @@ class Gateway:
             route_params=routing_params(self.load_params, self.config.load.route_by_checkpoint_load),
             verifier=self.verifier,
         )
+        # SGLang servers launched with room for the boost: the gateway holds their batch (held.py)
+        self.held = HeldBatches(self.monitor)
+        self.sessions.held = self.held
         if self.outage is not None:
+            self.outage.boost_hooks.append(self._boosted)
+            self.outage.held_waiting = self.held.waiting
             self.sessions.dispatcher.resume_hooks.append(self.outage.on_resume)
         if self.assist is not None:  # one estimate of the load's shape: the sessions feed it
             self.assist.shape = self.sessions.load_shape
@@ -393,12 +400,17 @@ class Gateway:
 
     def _outage_tick(self) -> None:
         """After every heartbeat and state change: nothing to do outside a recovery but at its end."""
-        if self.outage is None or not self.outage.recovering:
-            return
-        self.outage.tick()
-        self.metrics.outage_boost.set(self.outage.boost)
+        if self.outage is not None and self.outage.recovering:
+            self.outage.tick()
+
+    def _boosted(self, boost: float) -> None:
+        """The factor OutageAdmission just judged (and granted Lumen's workers), for the rest: held
+        SGLang servers, the metric, and the draft-assist gate."""
+        if self.held is not None:
+            self.held.set_boost(boost)
+        self.metrics.outage_boost.set(boost)
         if self.assist is not None:  # the gate judges the batch the survivors run now
-            limit = admission_limit(self.config.engine.max_running_requests, self.outage.boost)
+            limit = admission_limit(self.config.engine.max_running_requests, boost)
             self.assist.params = with_batch_limit(self.assist.params, limit)
 
     def _on_state_change(self, ev: StateEvent) -> None:

@@ -51,6 +51,7 @@ from gateway.server.session_records import (
 )
 from gateway.server.workers.aborts import Aborts
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
+from gateway.server.workers.held import HeldBatches
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.sessions")
@@ -112,6 +113,8 @@ class SessionManager:
         # an SGLang server's queue position for (attempt, tokens to prefill), for servers that order
         # by priority (`WorkerRecord.priority_order`); set by the app (core/outage.py queue_priority)
         self.queue_priority: Callable[[int, int], int] | None = None
+        # the batch the gateway holds SGLang servers to (launched with room for the outage boost)
+        self.held: HeldBatches | None = None
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
         if len(self.live) >= self.max_concurrent:
@@ -276,9 +279,8 @@ class SessionManager:
             )
         req = attempt_request(s, wrid, worker.incarnation, holders, self.recovery.orphan_grace_s)
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
-        priority = None
-        if sglang and worker.priority_order and self.queue_priority is not None:
-            priority = self.queue_priority(s.attempts, len(req.input_ids))
+        rank = self.queue_priority(s.attempts, len(req.input_ids)) if self.queue_priority else 0
+        priority = rank if sglang and worker.priority_order and self.queue_priority is not None else None
         body: msgspec.Struct = (
             to_sglang(
                 req, seed_base=s.seed_base, epoch=worker.incarnation, src_worker=worker.id, priority=priority
@@ -286,45 +288,61 @@ class SessionManager:
             if sglang
             else req
         )
-        assist = None
-        # assisted output must stay exact, and has no logprobs (a verification gives only the top-1)
-        greedy = (sp.temperature <= 0.0 or sp.top_k == 1) and s.job.logprobs is None
-        if isinstance(body, SGLangGenerate) and greedy and self.verifier is not None:
-            assist = self.verifier.for_target(worker.id)
-        stream: WorkerStream | AssistedStream
-        if assist is not None and isinstance(body, SGLangGenerate):
-            _drafter, plane, estimate = assist
-            stream = AssistedStream(
-                self.http,
-                worker.http_url,
-                body,
-                plane,
-                estimate,
-                k_min=self.verifier.k_min if self.verifier else 1,
-                k_max=self.verifier.k_max if self.verifier else 1,
-                timeout_s=self.recovery.stall_timeout_s,
-            )
-        else:
-            stream = WorkerStream(
-                self.http,
-                worker.http_url,
-                body,
-                first_chunk_timeout_s=self.recovery.first_token_timeout_s,
-                stall_timeout_s=self.recovery.stall_timeout_s,
-                keep_alive=not sglang,  # uvicorn drops idle connections after 5 s, before the pool
-            )
+        # an SGLang server the gateway holds to its batch (held.py): a slot first, in queue-rank order
+        gate = self.held.gate(worker) if sglang and self.held is not None else None
+        if gate is not None:
+            worker.inflight += 1  # waiting here is this worker's load (its view's `pending`)
+            try:
+                await gate.acquire(rank)
+            finally:
+                worker.inflight -= 1
         try:
-            async for delta in self._stream(s, worker, stream, wrid):
-                yield delta
+            assist = None
+            # assisted output must stay exact, and has no logprobs (a verification gives only the top-1)
+            greedy = (sp.temperature <= 0.0 or sp.top_k == 1) and s.job.logprobs is None
+            if isinstance(body, SGLangGenerate) and greedy and self.verifier is not None:
+                assist = self.verifier.for_target(worker.id)
+            stream: WorkerStream | AssistedStream
+            if assist is not None and isinstance(body, SGLangGenerate):
+                _drafter, plane, estimate = assist
+                stream = AssistedStream(
+                    self.http,
+                    worker.http_url,
+                    body,
+                    plane,
+                    estimate,
+                    k_min=self.verifier.k_min if self.verifier else 1,
+                    k_max=self.verifier.k_max if self.verifier else 1,
+                    timeout_s=self.recovery.stall_timeout_s,
+                )
+            else:
+                stream = WorkerStream(
+                    self.http,
+                    worker.http_url,
+                    body,
+                    first_chunk_timeout_s=self.recovery.first_token_timeout_s,
+                    stall_timeout_s=self.recovery.stall_timeout_s,
+                    keep_alive=not sglang,  # uvicorn drops idle connections after 5 s, before the pool
+                )
+            try:
+                async for delta in self._stream(s, worker, stream, wrid):
+                    yield delta
+            finally:
+                if assist is not None and isinstance(stream, AssistedStream) and self.verifier is not None:
+                    self.verifier.record(assist[0], worker.id, stream)
+                    self.metrics.gateway_drafts.labels(target=worker.id, outcome="proposed").inc(
+                        stream.drafted
+                    )
+                    self.metrics.gateway_drafts.labels(target=worker.id, outcome="accepted").inc(
+                        stream.accepted
+                    )
+                if s.finish_reason is None:
+                    # given up here (client gone, stop string, moved elsewhere): a dropped connection does
+                    # not end it on the worker (orphan grace; some SGLang deployments), its rid does
+                    self._abort_on(worker, body.rid if isinstance(body, SGLangGenerate) else wrid)
         finally:
-            if assist is not None and isinstance(stream, AssistedStream) and self.verifier is not None:
-                self.verifier.record(assist[0], worker.id, stream)
-                self.metrics.gateway_drafts.labels(target=worker.id, outcome="proposed").inc(stream.drafted)
-                self.metrics.gateway_drafts.labels(target=worker.id, outcome="accepted").inc(stream.accepted)
-            if s.finish_reason is None:
-                # given up here (client gone, stop string, moved elsewhere): a dropped connection does
-                # not end it on the worker (orphan grace; some SGLang deployments), its rid does
-                self._abort_on(worker, body.rid if isinstance(body, SGLangGenerate) else wrid)
+            if gate is not None:
+                gate.release()
 
     async def _stream(
         self,

@@ -164,6 +164,7 @@ class LiveShell:
                 clock=self.clock,
                 lease_s=max(BOOST_LEASE_S, 3 * HEARTBEAT_S),
             )
+            self.outage.boost_hooks.append(self._boosted)  # as GatewayApp wires it
             self.sessions.dispatcher.resume_hooks.append(self.outage.on_resume)
             self.control.heartbeat_hooks.append(lambda _rec, _beat: self._outage_tick())
             self.monitor.on_state_change.append(lambda _ev: self._outage_tick())
@@ -199,12 +200,13 @@ class LiveShell:
         self.decisions: list[tuple[Any, ...]] = []
 
     def _outage_tick(self) -> None:
-        """`GatewayApp._outage_tick`: re-judge the recovery; the pairing gate judges the boosted batch."""
-        if self.outage is None or not self.outage.recovering:
-            return
-        self.outage.tick()
-        limit = admission_limit(self.base_running, self.outage.boost)
-        self.assist.params = with_batch_limit(self.assist.params, limit)
+        """`GatewayApp._outage_tick`: re-judge the recovery while one lasts."""
+        if self.outage is not None and self.outage.recovering:
+            self.outage.tick()
+
+    def _boosted(self, boost: float) -> None:
+        """`GatewayApp._boosted`, the part a Lumen cluster has: the pairing gate judges the boosted batch."""
+        self.assist.params = with_batch_limit(self.assist.params, admission_limit(self.base_running, boost))
 
     # -- observations -------------------------------------------------------------------------------
     def on_attach(self, e: tr.Attach) -> None:

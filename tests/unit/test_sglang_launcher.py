@@ -26,6 +26,7 @@ from worker_hooks.sglang.launcher import (
     sglang_installed,
     tp_of,
     weights_group_ports,
+    with_headroom,
 )
 from worker_hooks.sglang.storage_layout import options_from_extra_config
 
@@ -258,3 +259,24 @@ def test_the_holder_store_of_the_storage_config_is_read_from_the_launch_args() -
     assert lumen_storage_config(["--model-path", "m"]) == {}
     with pytest.raises(ValueError, match="not JSON"):
         lumen_storage_config(["--hicache-storage-backend-extra-config", "{nope"])
+
+
+@pytest.mark.parametrize(
+    ("args", "headroom", "out", "held"),
+    [
+        (["--max-running-requests", "64"], 1.5, ["--max-running-requests", "96"], 64),
+        (["--max-running-requests=5", "--tp", "2"], 1.5, ["--max-running-requests=8", "--tp", "2"], 5),
+        (["--max-running-requests", "64"], 1.0, ["--max-running-requests", "64"], 0),  # no room: not held
+        (["--tp", "2"], 1.5, ["--tp", "2"], 0),  # SGLang sizes its own batch: nothing to scale
+    ],
+)
+def test_a_launched_server_gets_room_for_the_outage_boost_and_the_gateway_holds_its_batch(
+    args: list[str], headroom: float, out: list[str], held: int
+) -> None:
+    assert with_headroom(args, headroom) == (out, held)
+
+
+@pytest.mark.parametrize("value", ["many", "0"])
+def test_a_batch_that_is_not_a_positive_integer_is_refused(value: str) -> None:
+    with pytest.raises(LaunchError, match="--max-running-requests"):
+        with_headroom(["--max-running-requests", value], 1.5)

@@ -48,12 +48,14 @@ from gateway.protocol.secrets import SecretError, resolve_token
 from worker_hooks.sglang.agent import Sidecar
 from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.launcher import (
+    OUTAGE_HEADROOM,
     WEIGHTS_GROUP_PORT_DELTA,
     LaunchError,
     host_port,
     lumen_storage_config,
     server_command,
     tp_of,
+    with_headroom,
 )
 
 PARENT_POLL_S = 0.5
@@ -145,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="holder stores (ranks) whose status to poll (default: the TP size)",
+    )
+    p.add_argument(
+        "--outage-headroom",
+        type=float,
+        default=OUTAGE_HEADROOM,
+        help="--launch with --max-running-requests B: launch the server with room for ceil(B x this) "
+        "running requests and have the gateway hold it to B outside a recovery, so it can take the "
+        "outage batch boost (1: no room, not held)",
     )
     p.add_argument("--log-level", default="info")
     return p
@@ -250,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     launch: list[str] | None = None
     try:
         tp = args.tp if args.tp is not None else tp_of(tail)
+        held = 0
         if args.launch:
+            tail, held = with_headroom(tail, args.outage_headroom)
             launch = server_command(args.url, tail)
     except LaunchError as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)
@@ -283,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             else str(storage.get("status_endpoint") or ""),
             holder_shards=args.holder_shards,
             plane_file=os.environ.get("LUMEN_PLANE_FILE", ""),
+            held_batch=held,
         )
     except (ValueError, SecretError) as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)

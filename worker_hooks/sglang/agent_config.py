@@ -38,6 +38,9 @@ class SidecarConfig:
     # the server's plane file (keys and members for its KV plane, plane_file.py; LUMEN_PLANE_FILE): "": a
     # private one the agent creates, and gives a server it launches
     plane_file: str = ""
+    # the batch the gateway holds a server launched with room for the outage boost to (Hello.held_batch;
+    # launcher.with_headroom); 0: not held
+    held_batch: int = 0
 
     def __post_init__(self) -> None:
         if not self.gateways:

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shlex
 import signal
@@ -147,6 +148,41 @@ def server_args(url: str, args: Sequence[str]) -> list[str]:
     if _flag_value(args, PRIORITY_FLAGS[0]) is None and _flag_value(args, "--schedule-policy") is None:
         out += list(PRIORITY_FLAGS)
     return out
+
+
+MAX_RUNNING = "--max-running-requests"
+# the default room a launched server gets for the outage batch boost: the gateway's default cap
+# (gateway.core.outage.OutageParams.batch_boost)
+OUTAGE_HEADROOM = 1.5
+
+
+def with_headroom(args: Sequence[str], headroom: float) -> tuple[list[str], int]:
+    """`args` with `--max-running-requests B` raised to ceil(B x headroom), and B: the batch the
+    gateway holds the server to outside a recovery (gateway/server/workers/held.py). Without an
+    explicit B (SGLang sizes its own) or with headroom <= 1: `args` unchanged and 0 (not held)."""
+    given = _flag_value(args, MAX_RUNNING)
+    if not given or headroom <= 1:
+        return list(args), 0
+    try:
+        base = int(given)
+    except ValueError:
+        raise LaunchError(f"{MAX_RUNNING} {given}: not an integer") from None
+    if base < 1:
+        raise LaunchError(f"{MAX_RUNNING} {given}: must be >= 1")
+    room = str(math.ceil(base * headroom))
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+        elif a == MAX_RUNNING:
+            out += [a, room]
+            skip = i + 1 < len(args)
+        elif a.startswith(MAX_RUNNING + "="):
+            out.append(f"{MAX_RUNNING}={room}")
+        else:
+            out.append(a)
+    return out, base
 
 
 def server_command(url: str, args: Sequence[str], env: dict[str, str] | None = None) -> list[str]:

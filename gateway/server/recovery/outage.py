@@ -6,10 +6,11 @@ larger batch (`outage_boost` of the most workers out at once during this recover
 simulator's coordinator applies) and orders its queue shortest prefill first, aged
 (`shortest_first`, `shortest_first_rate`). Both go to each worker as a lease (`SetAdmission`) renewed
 every third of `BOOST_LEASE_S` while the recovery lasts, and withdrawn (boost 1, FIFO) when it ends;
-a gateway that dies leaves no worker changed for longer than a lease. SGLang servers are left alone:
+a gateway that dies leaves no worker changed for longer than a lease. SGLang servers take no lease:
 their batch limit is a launch argument (`--max-running-requests`) that SGLang 0.5.23 cannot change at
-run time (its /set_internal_state takes pp_max_micro_batch_size and speculative thresholds only), and
-their queue policy (`--schedule-policy`) too.
+run time (its /set_internal_state takes pp_max_micro_batch_size and speculative thresholds only); the
+gateway holds the batch of those launched with room for the boost (`boost_hooks`, held.py) and orders
+their queues by request priorities (server_info.py).
 
 Driven by events, not a timer of its own: `on_resume` from the recovery dispatcher, and `tick` after
 every heartbeat and worker state change, so the renewals ride on the heartbeat cadence.
@@ -58,6 +59,11 @@ class OutageAdmission:
         # worker id -> (incarnation, (boost, shortest first), when) of the last grant sent to it
         self._sent: dict[str, tuple[int, tuple[float, bool], float]] = {}
         self.recoveries = 0
+        # called with the factor after every judgement (the app: held SGLang servers, the metric, the
+        # draft-assist gate)
+        self.boost_hooks: list[Callable[[float], None]] = []
+        # requests the gateway itself holds for a worker (gateway/server/workers/held.py): backlog too
+        self.held_waiting: Callable[[str], int] = lambda _worker_id: 0
 
     def on_resume(self) -> None:
         """An interrupted request is being resumed: the cluster recovers from a failure."""
@@ -76,13 +82,16 @@ class OutageAdmission:
         # a worker drained or removed by its operator is not a failure
         workers = [w for w in self.monitor.workers.values() if w.state not in _LEFT]
         serving = [w for w in workers if w.state is WorkerState.HEALTHY]
-        if backlog_drained(sum(w.waiting for w in serving), len(serving), len(serving) == len(workers)):
+        waiting = sum(w.waiting + self.held_waiting(w.id) for w in serving)
+        if backlog_drained(waiting, len(serving), len(serving) == len(workers)):
             self.recovering = False
             log.info("recovery over: outage admission off", down_peak=self.down_peak)
         else:
             self.down_peak = max(self.down_peak, len(workers) - len(serving))
         self.boost = outage_boost(self.params, self.recovering, len(workers), self.down_peak)
         self._grant(serving)
+        for hook in self.boost_hooks:
+            hook(self.boost)
 
     def _grant(self, serving: list[WorkerRecord]) -> None:
         now = self.clock()

@@ -158,6 +158,7 @@ class LoadMonitor:
             page_size=hello.page_size or DEFAULT_PAGE_SIZE,
             engine=EngineKind.of(hello.engine),
             max_running_requests=hello.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
+            held_batch=hello.held_batch,
             phase=phase,
             last_heartbeat=now,
             attached_at=now,

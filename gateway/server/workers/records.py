@@ -96,6 +96,9 @@ class WorkerRecord:
     # an SGLang server that orders its queue by each request's priority (its /server_info, read once
     # it serves: gateway/server/workers/server_info.py)
     priority_order: bool = False
+    # an SGLang server launched with room for the outage boost: the gateway holds it to this batch
+    # outside a recovery (Hello.held_batch; 0: not held; gateway/server/workers/held.py)
+    held_batch: int = 0
     # seconds between this worker's heartbeats (None: the control plane's interval); an agentless
     # SGLang server's heartbeats are the gateway's own polls of its /v1/loads
     heartbeat_interval_s: float | None = None

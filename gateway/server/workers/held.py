@@ -1,0 +1,130 @@
+"""The outage batch boost for SGLang servers: the gateway holds their batch (issue 17).
+
+Lumen's workers change their batch limit at run time (`SetAdmission` leases); an SGLang 0.5.23 server
+cannot (`--max-running-requests` is a launch argument). So Lumen's agent launches a server with room
+for the boost (its `--max-running-requests B` becomes ceil(B x headroom), and its Hello says
+`held_batch = B`), and the gateway holds that server to B requests at a time outside a recovery:
+each attempt takes a slot before its body is sent and gives it back when its stream ends. While a
+recovery lasts (`OutageAdmission`), the gate's limit is `admission_limit(B, boost)`, never above what
+the server admits (Hello `max_running_requests`), exactly the factor Lumen's workers are granted.
+
+Requests over the limit wait here, in the order of their queue rank (`gateway.core.outage.
+queue_priority`: resumed first, FIFO, aged shortest-prefill-first while recovering), and count in
+the worker's `inflight` meanwhile, so routing sees them as the worker's load (its view's `pending`)
+just as the simulator sees a worker's queue. A worker that fails or leaves ends its waiters with
+`WorkerLost` (they resume elsewhere; nothing was sent); a waiter whose client leaves just leaves the
+queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+from gateway.core.health import ALIVE_STATES
+from gateway.core.outage import admission_limit
+from gateway.protocol.generate import EngineKind
+from gateway.server.workers.client import WorkerLost
+from gateway.server.workers.monitor import LoadMonitor, StateEvent, WorkerRecord
+
+
+class SlotGate:
+    """At most `limit` holders at once; the others wait, lowest priority value first, FIFO on ties."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.running = 0
+        self._queue: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+        self._failed: str | None = None
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for _p, _s, fut in self._queue if not fut.done())
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._wake()
+
+    async def acquire(self, priority: int) -> None:
+        """Take a slot, waiting for one in priority order; raises WorkerLost if the gate fails."""
+        if self._failed is not None:
+            raise WorkerLost(self._failed)
+        if self.running < self.limit and not self._queue:
+            self.running += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, (priority, next(self._seq), fut))
+        self._wake()  # slots may be free behind waiters that left
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release()  # granted just as the waiter left: pass the slot on
+            raise
+
+    def release(self) -> None:
+        self.running -= 1
+        self._wake()
+
+    def fail(self, reason: str) -> None:
+        """The worker is gone: every waiter raises WorkerLost(reason), and so does any later acquire."""
+        self._failed = reason
+        for _p, _s, fut in self._queue:
+            if not fut.done():
+                fut.set_exception(WorkerLost(reason))
+        self._queue.clear()
+
+    def _wake(self) -> None:
+        while self._queue and self.running < self.limit:
+            _p, _s, fut = heapq.heappop(self._queue)
+            if not fut.done():  # a waiter cancelled meanwhile is skipped
+                self.running += 1
+                fut.set_result(None)
+
+
+class HeldBatches:
+    """One gate per SGLang incarnation that reported a `held_batch`, at the current boost."""
+
+    def __init__(self, monitor: LoadMonitor) -> None:
+        self.monitor = monitor
+        self.boost = 1.0
+        self._gates: dict[str, tuple[int, SlotGate]] = {}  # worker -> (incarnation, gate)
+        monitor.on_state_change.append(self._on_state_change)
+
+    def limit(self, rec: WorkerRecord) -> int:
+        limit = admission_limit(rec.held_batch, self.boost)
+        return min(limit, rec.max_running_requests) if rec.max_running_requests > 0 else limit
+
+    def gate(self, rec: WorkerRecord) -> SlotGate | None:
+        """The gate of `rec`'s incarnation (made on first use), or None: the gateway holds nothing."""
+        if rec.held_batch <= 0 or rec.engine is not EngineKind.SGLANG:
+            return None
+        held = self._gates.get(rec.id)
+        if held is None or held[0] != rec.incarnation:
+            if held is not None:
+                held[1].fail(f"worker {rec.id} incarnation {held[0]} was replaced")
+            held = (rec.incarnation, SlotGate(self.limit(rec)))
+            self._gates[rec.id] = held
+        return held[1]
+
+    def set_boost(self, boost: float) -> None:
+        if boost == self.boost:
+            return
+        self.boost = boost
+        for wid, (incarnation, gate) in self._gates.items():
+            rec = self.monitor.workers.get(wid)
+            if rec is not None and rec.incarnation == incarnation:
+                gate.set_limit(self.limit(rec))
+
+    def waiting(self, worker_id: str) -> int:
+        held = self._gates.get(worker_id)
+        return held[1].waiting if held is not None else 0
+
+    def _on_state_change(self, ev: StateEvent) -> None:
+        held = self._gates.get(ev.worker_id)
+        if held is None or held[0] != ev.incarnation or ev.dst in ALIVE_STATES:
+            return
+        del self._gates[ev.worker_id]
+        held[1].fail(f"worker {ev.worker_id} is {ev.dst.value.lower()}: {ev.reason}")

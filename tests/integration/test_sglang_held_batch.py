@@ -1,0 +1,126 @@
+"""The outage batch boost on SGLang servers, held at the gateway (gateway/server/workers/held.py): the
+agent reports `held_batch` for a server launched with room for the boost (here: stand-ins that admit 3,
+held to 2), the gateway never lets more than 2 run on it outside a recovery, and while a recovery lasts
+in Lumen's modes it lets 3 run on the survivor (boost min(1.5, 2/1) = 1.5, floor(2 x 1.5) = 3); the
+baselines stay at 2. Every client stream is exact. One event loop: gateway, agents, in-process stand-ins."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.config import load_config
+from gateway.core.health import WorkerState
+from gateway.server.app import Gateway
+from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_standin
+from worker_hooks.sglang.agent import Sidecar
+from worker_hooks.sglang.agent_config import SidecarConfig
+from worker_hooks.sglang.agent_role import SGLangRole
+
+TOKEN = "test-control-token-0123456789"
+HELD, ROOM = 2, 3
+PROMPTS = [list(b"Held at the gateway, request %d." % i) for i in range(6)]
+MAX_TOKENS = 60  # 1.2 s of decoding at 20 ms per token
+
+
+@contextlib.asynccontextmanager
+async def cluster(mode: str) -> AsyncIterator[tuple[Gateway, list[SGLangStandIn], aiohttp.ClientSession]]:
+    cfg = load_config(
+        overrides={
+            "gateway.port": 0,
+            "gateway.control_port": 0,
+            "gateway.control_token": TOKEN,
+            "recovery.mode": mode,
+            "health.heartbeat_interval_ms": 50,
+            "health.heartbeat_misses": 6,
+        }
+    )
+    gw = Gateway(cfg)
+    await gw.start()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(gw.stop)
+        servers = []
+        for i in range(2):
+            s = await start_standin(token_delay_ms=20, max_running_requests=ROOM)
+            stack.push_async_callback(s.stop)
+            servers.append(s)
+            sc = Sidecar(
+                SidecarConfig(
+                    worker_id=f"s{i}",
+                    url=s.url,
+                    gateways=(f"127.0.0.1:{gw.control_port}",),
+                    poll_interval_s=0.02,
+                    token=TOKEN,
+                    held_batch=HELD,
+                )
+            )
+            await sc.start()
+            stack.push_async_callback(sc.stop, 5.0)
+        async with asyncio.timeout(15):
+            while gw.monitor.healthy_count() < 2:
+                await asyncio.sleep(0.01)
+        http = await stack.enter_async_context(aiohttp.ClientSession(f"http://127.0.0.1:{gw.http_port}"))
+        yield gw, servers, http
+
+
+async def stream_ids(http: aiohttp.ClientSession, prompt: list[int]) -> list[int]:
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0.0}
+    text = ""
+    async with http.post("/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.strip()
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                chunk = json.loads(line[5:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+    return list(text.encode())
+
+
+@pytest.mark.parametrize(("mode", "peak"), [("lumen", ROOM), ("fixed_checkpoint", HELD)])
+async def test_the_survivor_takes_the_boost_only_in_lumens_modes_and_every_stream_is_exact(
+    mode: str, peak: int
+) -> None:
+    async with cluster(mode) as (gw, servers, http):
+        held = gw.held
+        assert held is not None
+        recs = [gw.monitor.workers[f"s{i}"] for i in range(2)]
+        assert [r.held_batch for r in recs] == [HELD, HELD]
+        tasks = [asyncio.create_task(stream_ids(http, p)) for p in PROMPTS]
+        # six streams, two servers held to two each: two wait at the gateway, none in a server's queue
+        async with asyncio.timeout(10):
+            while held.waiting("s0") + held.waiting("s1") < 2 or any(
+                len(s.engine.running) < HELD for s in servers
+            ):
+                await asyncio.sleep(0.01)
+        assert all(len(s.engine.running) == HELD and not s.engine.waiting for s in servers)
+        victim = next(s for s, r in zip(servers, recs, strict=True) if held.waiting(r.id) > 0)
+        survivor = next(s for s in servers if s is not victim)
+        await victim.kill()
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 60.0)
+        for prompt, ids in zip(PROMPTS, got, strict=True):
+            assert ids == expected_ids(prompt, MAX_TOKENS, 0.0)
+        assert survivor.stats()["peak_running"] == peak
+        victim_id = next(r.id for r in recs if r.http_url == victim.url)
+        assert any(e.worker_id == victim_id and e.dst is WorkerState.FAILED for e in gw.monitor.events)
+        assert survivor.stats()["refused"] == []
+
+
+@pytest.mark.parametrize(("gateways", "share"), [(1, 8), (2, 4), (3, 2), (16, 1)])
+def test_several_gateways_each_hold_their_share_of_the_batch(gateways: int, share: int) -> None:
+    """Each gateway holds a server on its own: the agent gives each its share, so that together they
+    keep the server to its batch (and, boosted, to the room it was launched with)."""
+    cfg = SidecarConfig(
+        worker_id="s0",
+        url="http://127.0.0.1:30000",
+        gateways=tuple(f"127.0.0.1:{7000 + i}" for i in range(gateways)),
+        token=TOKEN,
+        held_batch=8,
+    )
+    assert SGLangRole(Sidecar(cfg)).hello().held_batch == share
