@@ -18,7 +18,7 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.outage import BOOST_LEASE_S, OutageParams, admission_limit, queue_priority
+from gateway.core.outage import OutageParams, admission_limit
 from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
 from gateway.core.reload import DraftFirst
 from gateway.core.router import routing_params
@@ -36,14 +36,13 @@ from gateway.server.checkpoints import CheckpointManager
 from gateway.server.control_secret import publish_token, tls_credentials, with_control_token
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
-from gateway.server.recovery.outage import OutageAdmission
+from gateway.server.recovery.levers import OutageLevers
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.recovery.reload import ReloadCoordinator
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.fences import FenceLedger
-from gateway.server.workers.held import HeldBatches
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
 from gateway.server.workers.server_info import ServerInfoReader
 from gateway.server.workers.sglang import SGLangPoller, SGLangTarget
@@ -127,29 +126,26 @@ class Gateway:
                 view=self.checkpoints.view if self.checkpoints is not None else self.monitor.view,
                 metrics=self.metrics,
             )
-        # Lumen's modes: a larger batch on the serving workers while a recovery lasts (core/outage.py)
-        self.outage: OutageAdmission | None = None
-        self.outage_params = outage = OutageParams(
-            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+        # the outage levers (recovery/levers.py): Lumen's workers boosted and ordered by leases in
+        # Lumen's modes, SGLang servers held at the gateway and ordered by request priorities
+        self.levers = OutageLevers(
+            monitor=self.monitor,
+            control=self.control,
+            params=OutageParams(
+                r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+            ),
+            shaping=self.policy.outage_admission,
+            clock=time.monotonic,
+            heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
         )
-        if self.policy.outage_admission and (outage.batch_boost > 1 or outage.shortest_first):
-            # renewed on heartbeats: a lease must outlast a few of them
-            beats_s = 3 * config.health.heartbeat_interval_ms / 1000
-            self.outage = OutageAdmission(
-                monitor=self.monitor,
-                control=self.control,
-                params=outage,
-                clock=time.monotonic,
-                lease_s=max(BOOST_LEASE_S, beats_s),
-            )
-            self.control.heartbeat_hooks.append(lambda _rec, _beat: self._outage_tick())
-            self.monitor.on_state_change.append(lambda _ev: self._outage_tick())
+        self.outage = self.levers.admission
+        self.held = self.levers.held
+        self.levers.boost_hooks.append(self._boosted)
         # a restart loading its draft model first goes on only if drafting pays for the full model's
         # later start (the simulator's rule, `Coordinator.assist_wanted`); without draft assist, never
         self.control.draft_first = self._draft_first
         self.sglang: SGLangPoller | None = None
         self.server_info: ServerInfoReader | None = None
-        self.held: HeldBatches | None = None
         # draft assist on SGLang targets: the gateway verifies the drafts itself
         self.verifier: GatewayVerifier | None = None
         if self.assist is not None:
@@ -236,18 +232,13 @@ class Gateway:
             route_params=routing_params(self.load_params, self.config.load.route_by_checkpoint_load),
             verifier=self.verifier,
         )
-        # SGLang servers launched with room for the boost: the gateway holds their batch (held.py)
-        self.held = HeldBatches(self.monitor)
-        self.sessions.held = self.held
-        if self.outage is not None:
-            self.outage.boost_hooks.append(self._boosted)
-            self.outage.held_waiting = self.held.waiting
-            self.sessions.dispatcher.resume_hooks.append(self.outage.on_resume)
+        self.sessions.held = self.levers.held
+        self.sessions.queue_priority = self.levers.queue_priority
+        self.sessions.dispatcher.resume_hooks.append(self.levers.on_resume)
         if self.assist is not None:  # one estimate of the load's shape: the sessions feed it
             self.assist.shape = self.sessions.load_shape
-        # SGLang servers launched with priority scheduling keep the simulator's queue order
+        # which SGLang servers order their queue by priority (their /server_info)
         self.server_info = ServerInfoReader(self.monitor, self._http)
-        self.sessions.queue_priority = self._queue_priority
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         sg = self.config.sglang
         if sg.workers:  # agentless SGLang servers: the gateway attaches and polls them itself
@@ -261,8 +252,7 @@ class Gateway:
                 poll_interval_s=sg.poll_interval_ms / 1000,
                 misses=self.config.health.heartbeat_misses,
             )
-            if self.outage is not None:  # its polls are these workers' heartbeats
-                self.sglang.heartbeat_hooks.append(lambda _rec: self._outage_tick())
+            self.sglang.heartbeat_hooks.append(lambda _rec: self.levers.tick())  # polls are heartbeats
             self.sglang.start()
         if self.assist is not None:
             # re-pair at a few heartbeat intervals: loads move slowly, pairs should not flap
@@ -392,22 +382,8 @@ class Gateway:
         view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()
         return draft_first_pays(view, self.assist.params, exclude=(worker_id,))
 
-    def _queue_priority(self, attempt: int, prefill_tokens: int) -> int:
-        """An SGLang request's priority now: the queue rank Lumen's workers and the simulator use
-        (resumed first, FIFO; aged shortest prefill first while a recovery lasts, Lumen's modes)."""
-        recovering = self.outage is not None and self.outage.recovering
-        return queue_priority(attempt, prefill_tokens, self.outage_params, recovering, time.monotonic())
-
-    def _outage_tick(self) -> None:
-        """After every heartbeat and state change: nothing to do outside a recovery but at its end."""
-        if self.outage is not None and self.outage.recovering:
-            self.outage.tick()
-
     def _boosted(self, boost: float) -> None:
-        """The factor OutageAdmission just judged (and granted Lumen's workers), for the rest: held
-        SGLang servers, the metric, and the draft-assist gate."""
-        if self.held is not None:
-            self.held.set_boost(boost)
+        """The factor just judged for a recovery: the metric, and the draft-assist gate."""
         self.metrics.outage_boost.set(boost)
         if self.assist is not None:  # the gate judges the batch the survivors run now
             limit = admission_limit(self.config.engine.max_running_requests, boost)

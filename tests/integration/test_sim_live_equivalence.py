@@ -23,14 +23,14 @@ import pytest
 from gateway.config import RecoverySection
 from gateway.core.health import WorkerState
 from gateway.core.modes import policy_for
-from gateway.core.outage import BOOST_LEASE_S, OutageParams, admission_limit, outage_boost
+from gateway.core.outage import OutageParams, admission_limit, outage_boost
 from gateway.core.pairing import with_batch_limit
 from gateway.protocol import control_pb2 as pb
 from gateway.server.api.errors import NoWorkerAvailable
 from gateway.server.api.jobs import GenerateJob, Sampling
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.recovery.outage import OutageAdmission
+from gateway.server.recovery.levers import OutageLevers
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.session_records import Interruption, Session
@@ -147,27 +147,26 @@ class LiveShell:
             clock=self.clock,
             route_params=c.route_load,
         )
-        # the outage admission, built and wired as gateway/server/app.py does (Lumen's modes only):
-        # started by the dispatcher's resume hook, ticked after every heartbeat and state change
+        # the outage levers, the object gateway/server/app.py builds and wires (recovery/levers.py):
+        # in Lumen's modes started by the dispatcher's resume hook, ticked after every heartbeat and
+        # state change; the pairing gate judges the boosted batch (GatewayApp._boosted)
         r = self.sessions.recovery
         params = OutageParams(
             r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
         )
         assert params == c.outage.params  # the scenario's levers reach both shells alike
         self.base_running = c.outage.base_running
-        self.outage: OutageAdmission | None = None
-        if c.policy.outage_admission:
-            self.outage = OutageAdmission(
-                monitor=self.monitor,
-                control=self.control,
-                params=params,
-                clock=self.clock,
-                lease_s=max(BOOST_LEASE_S, 3 * HEARTBEAT_S),
-            )
-            self.outage.boost_hooks.append(self._boosted)  # as GatewayApp wires it
-            self.sessions.dispatcher.resume_hooks.append(self.outage.on_resume)
-            self.control.heartbeat_hooks.append(lambda _rec, _beat: self._outage_tick())
-            self.monitor.on_state_change.append(lambda _ev: self._outage_tick())
+        self.levers = OutageLevers(
+            monitor=self.monitor,
+            control=self.control,
+            params=params,
+            shaping=c.policy.outage_admission,
+            clock=self.clock,
+            heartbeat_interval_s=HEARTBEAT_S,
+        )
+        self.outage = self.levers.admission
+        self.levers.boost_hooks.append(self._boosted)
+        self.sessions.dispatcher.resume_hooks.append(self.levers.on_resume)
         # the control seam: each SetAdmission sent (still queued to its worker's outbox) is applied
         # to that worker incarnation's own lease book, as Lumen's worker applies it (agent.py)
         self.leases: dict[tuple[str, int], AdmissionLeases] = {}
@@ -198,11 +197,6 @@ class LiveShell:
         self.phase: dict[str, int] = {}
         self.live: dict[int, Session] = {}
         self.decisions: list[tuple[Any, ...]] = []
-
-    def _outage_tick(self) -> None:
-        """`GatewayApp._outage_tick`: re-judge the recovery while one lasts."""
-        if self.outage is not None and self.outage.recovering:
-            self.outage.tick()
 
     def _boosted(self, boost: float) -> None:
         """`GatewayApp._boosted`, the part a Lumen cluster has: the pairing gate judges the boosted batch."""
