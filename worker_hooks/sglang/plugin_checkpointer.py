@@ -4,7 +4,7 @@ every decode step.
 It sees every request of the decode batch once its new tokens are appended and its finish state is set.
 Requests whose `kv_hints` carry Lumen's `lumen.checkpoint` action (`gateway.protocol.sglang.kv_hints_for`)
 have each newly complete page (KV exists for every token but the last emitted one) copied out of the
-GPU pool (`KvReader`, plugin_reader.py) into a ring of pinned host memory (`plugin_logic.Staging`,
+GPU pool (`KvReader`, plugin_reader.py) into a ring of pinned host memory (`staging.Staging`,
 allocated once) and sent to their holders over Lumen's KV plane; `plugin_logic.Planner` decides which
 pages, `plugin_shipper` sends them from a thread of its own. A finished request gets END; an aborted one
 nothing (the holders keep its pages for the gateway to restore from).
@@ -39,12 +39,12 @@ from worker_hooks.sglang.plugin_logic import (
     Planner,
     PluginOptions,
     ReqStep,
-    Staging,
     complete_pages,
     token_slice,
 )
 from worker_hooks.sglang.plugin_reader import KvReader, Unsupported
 from worker_hooks.sglang.plugin_shipper import PageRun, ShipJob, Shipper
+from worker_hooks.sglang.staging import Staging
 
 log = structlog.get_logger("lumen.sglang.plugin")
 

@@ -36,7 +36,8 @@ import zmq.asyncio
 
 from gateway.protocol.plane_file import Keyring
 from worker_hooks.kv.sender import CheckpointSender
-from worker_hooks.sglang.plugin_logic import Control, ControlKind, Copy, PluginOptions, Staging, parent_key
+from worker_hooks.sglang.plugin_logic import Control, ControlKind, Copy, PluginOptions, parent_key
+from worker_hooks.sglang.staging import Staging
 
 log = structlog.get_logger("lumen.sglang.plugin")
 
