@@ -22,6 +22,7 @@ from heapq import heappush
 from typing import Protocol
 
 from gateway.core.health import WorkerState
+from gateway.core.types import WorkerView
 from gateway.sim.batch import DecodeBatch
 from gateway.sim.events import RESTORED, STEP, EventQueue
 from gateway.sim.request import SimRequest
@@ -75,6 +76,8 @@ class SimWorker:
         self.dirty = True  # the gateway's view of this worker is out of date
         # where mark_dirty reports the worker (the coordinator's list of workers to refresh)
         self.dirty_sink: list[SimWorker] | None = None
+        # the gateway's entry for it (a SeenWorker, set by the coordinator: `Coordinator.view`)
+        self.seen: WorkerView | None = None
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
         # a queued request's rank (`enqueue`); the coordinator ranks by prefill size while recovering
