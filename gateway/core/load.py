@@ -101,12 +101,38 @@ class LoadTable:
     def update(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> bool:
         """`derive`, in this table itself (`ClusterView.update_in_place`: for a view's sole owner).
 
-        The table's `loads` are kept up to date as well (made at the first update): they are each
-        worker's `L̂` in the old view, read instead of computed again from its old version."""
-        try:
-            self._moved(changes, self.ranked, self.loads)
-        except _Rebuild:
-            return False  # the caller drops this table, partly moved as it may be
+        The table's `loads` are kept up to date as well (made at the first update): each worker's
+        old `L̂` is read there, never from its old version (`was` is not read: a sole owner may pass
+        an entry it changed in place as both). `_moved` with this table's own books, in a loop of
+        its own (the simulator's hot path): the same floats and the same moves."""
+        if len(changes) > _MAX_INCREMENTAL:
+            return False  # the caller drops this table: rebuilt on first use
+        params = self.params
+        alpha, beta, batch = params.alpha, params.beta, max(1, params.nominal_batch)
+        ranked, loads = self.ranked, self.loads
+        for _, w in changes:
+            wid = w.id
+            old = loads.get(wid)
+            if w.state in SERVING:
+                cap = w.kv_capacity_tokens  # estimated_load inlined, as in _moved
+                new = alpha * (w.ckpt_tokens / (cap if cap > 1 else 1)) + beta * (
+                    (w.running + w.waiting + w.pending) / batch
+                )
+                if new == old and (new or _same_zero(new, old)):
+                    continue  # same rank
+                if old is not None:
+                    i = bisect_left(ranked, (old, wid))
+                    if i == len(ranked) or ranked[i][1] != wid:
+                        return False  # not where it should be (a non-finite L̂): rebuild
+                    del ranked[i]
+                insort(ranked, (new, wid))
+                loads[wid] = new
+            elif old is not None:  # no longer serving
+                i = bisect_left(ranked, (old, wid))
+                if i == len(ranked) or ranked[i][1] != wid:
+                    return False
+                del ranked[i]
+                del loads[wid]
         self._total = None
         return True
 
