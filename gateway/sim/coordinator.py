@@ -25,7 +25,7 @@ from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.outage import OutageParams
+from gateway.core.outage import OutageParams, queue_rank
 from gateway.core.pairing import (
     PairingParams,
     draft_first_pays,
@@ -86,6 +86,10 @@ class Coordinator:
         self.spec_ks: list[int] = []
         # survivors' admission while a failure's outage or backlog lasts (gateway.core.outage)
         self.outage = SimOutage(workers, outage or OutageParams(), policy.outage_admission)
+        # outside a recovery a queue rank depends only on whether the attempt is the first
+        # (core `queue_rank`: `(first, 0)`): a first attempt's and a resumed one's, asked once here
+        params = self.outage.params
+        self._calm_ranks = (queue_rank(1, 1, params, False), queue_rank(2, 1, params, False))
         # the load's shape as completed requests show it: the draft-assist gate judges it
         self.shape = LoadShape()
         self.refresh_all()
@@ -192,7 +196,8 @@ class Coordinator:
             by_id = self.by_id
             holders = (by_id[chosen[0]],) if len(chosen) == 1 else tuple([by_id[h] for h in chosen])
             self._charge(r, holders, expected)
-        w.enqueue(r, now, self.outage.rank(r))
+        outage = self.outage
+        w.enqueue(r, now, outage.rank(r) if outage.recovering else self._calm_ranks[r.attempts > 1])
 
     def _charge(self, r: SimRequest, holders: tuple[SimWorker, ...], tokens: int) -> None:
         nbytes = tokens * self.kvb
