@@ -80,7 +80,10 @@ class SimWorker:
         self.seen: WorkerView | None = None
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
-        # a queued request's rank (`enqueue`); the coordinator ranks by prefill size while recovering
+        # a queued request's rank (`enqueue`); the coordinator ranks by prefill size while recovering.
+        # A rank_of must give a request the same rank for as long as it is one attempt (what it reads
+        # of the request, its prompt, progress and restored prefix, changes only with a new attempt):
+        # `enqueue` memoises it per (rank_of, attempt); a new ranking is a new rank_of object
         self.rank_of: Callable[[SimRequest], tuple[int, float]] = fifo_rank
         # step-time factor in effect (`slow`): a slow fault's (`fault_slow`, a gray failure) times a
         # seed's while it streams its weights to a restarting worker (`send_slow`)
@@ -136,7 +139,14 @@ class SimWorker:
             i = 0
             rank_of = self.rank_of
             for q in self.waiting:
-                if rank_of(q) > rank:
+                # rank_of(q), memoised on q for this rank_of and attempt (see `rank_of`)
+                m = q.rank_memo
+                if m is not None and m[0] is rank_of and m[1] == q.attempts:
+                    q_rank = m[2]
+                else:
+                    q_rank = rank_of(q)
+                    q.rank_memo = (rank_of, q.attempts, q_rank)
+                if q_rank > rank:
                     break
                 i += 1
             self.waiting.insert(i, r)
