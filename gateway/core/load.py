@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from typing import Final, cast
+from typing import Final
 
 from gateway.core.health import SERVING_STATES
 from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
@@ -109,11 +109,11 @@ class LoadTable:
             return False  # the caller drops this table: rebuilt on first use
         params = self.params
         alpha, beta, batch = params.alpha, params.beta, max(1, params.nominal_batch)
-        ranked, loads = self.ranked, self.loads
+        ranked, loads, serving = self.ranked, self.loads, SERVING
         for _, w in changes:
             wid = w.id
             old = loads.get(wid)
-            if w.state in SERVING:
+            if w.state in serving:
                 cap = w.kv_capacity_tokens  # estimated_load inlined, as in _moved
                 new = alpha * (w.ckpt_tokens / (cap if cap > 1 else 1)) + beta * (
                     (w.running + w.waiting + w.pending) / batch
@@ -205,8 +205,9 @@ def load_table(view: ClusterView, params: LoadParams) -> LoadTable:
     holds `params`, so that id cannot be reused by another object while the table exists.
     """
     key = id(params)
-    table = cast(LoadTable | None, view.derived.get(key))
-    if table is None or table.params is not params:
+    table = view.derived.get(key)
+    # (an isinstance test, not a cast: a cast's `LoadTable | None` is a new union at every call)
+    if not isinstance(table, LoadTable) or table.params is not params:
         table = LoadTable.build(view, params)
         view.derived[key] = table
     return table
