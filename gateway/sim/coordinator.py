@@ -128,14 +128,16 @@ class Coordinator:
 
         The coordinator is the view's sole owner (no decision keeps a view or one of its workers), so
         it changes each dirty worker's entry (a `SeenWorker`) in place, then moves it in the policies'
-        ranked load tables (`ClusterView.update_in_place`, given the same entry as old and new: the
-        tables read a worker's old `L̂` from their own books, not from its old entry). A decision
-        costs O(changed workers), not O(workers), and no new WorkerView.
+        ranked load tables, as `ClusterView.update_in_place` does (given the same entry as old and
+        new: the tables read a worker's old `L̂` from their own books, not from its old entry). A
+        decision costs O(changed workers), not O(workers), and no new WorkerView.
         """
         dirty = self._dirty
         if not dirty:
             return self._view
-        changed: list[Any] = []  # SeenWorkers (mypy: a WorkerView's fields are read-only)
+        # (entry, entry) per changed worker: the derived tables' `update` (`Derived`), with each entry
+        # as its old and its new version (already in the view's mapping, changed in place)
+        changes: list[tuple[Any, Any]] = []  # SeenWorkers (mypy: a WorkerView's fields are read-only)
         for w in dirty:
             if not w.dirty:
                 continue  # refreshed since it was marked (freeze)
@@ -153,10 +155,15 @@ class Coordinator:
             v.ckpt_tokens = w.ckpt_tokens
             v.ckpt_bytes = w.ckpt_bytes
             v.load_memo = None  # estimated_load's memo is of the old values
-            changed.append(v)
+            changes.append((v, v))
         dirty.clear()
-        self._view.update_in_place(changed)
-        return self._view
+        view = self._view
+        tables = view.derived
+        if changes and tables:  # ClusterView.update_in_place without its mapping's updates
+            for key, table in list(tables.items()):
+                if not table.update(changes):
+                    del tables[key]
+        return view
 
     def freeze(self, w: SimWorker) -> None:
         """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
