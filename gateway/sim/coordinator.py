@@ -197,7 +197,7 @@ class Coordinator:
         r.restored = restored
         r.durable = 0
         if self.policy.checkpointing:
-            expected = r.context + (r.output - r.emitted)
+            expected = r.prompt + r.emitted + (r.output - r.emitted)  # r.context + what is left
             nbytes = expected * self.kvb
             chosen = choose_holders(self.view(), w.id, nbytes, self.holder_params)
             by_id = self.by_id
@@ -212,8 +212,9 @@ class Coordinator:
             h.ckpt_tokens += tokens
             h.ckpt_bytes += nbytes
             h.held.add(r)
-            if not h.dirty:
-                h.mark_dirty()
+            if not h.dirty:  # h.mark_dirty(), inlined
+                h.dirty = True
+                h.dirty_sink.append(h)
         r.holders = r.holders + holders if r.holders else holders
         r.ck_tokens = tokens
 
@@ -225,8 +226,9 @@ class Coordinator:
             h.ckpt_tokens -= tokens
             h.ckpt_bytes -= nbytes
             h.held.discard(r)
-            if not h.dirty:
-                h.mark_dirty()
+            if not h.dirty:  # h.mark_dirty(), inlined
+                h.dirty = True
+                h.dirty_sink.append(h)
         r.holders = ()
         r.ck_time = None
 

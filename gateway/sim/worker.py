@@ -74,8 +74,9 @@ class SimWorker:
         self.ckpt_bytes = 0
         self.alive = True
         self.dirty = True  # the gateway's view of this worker is out of date
-        # where mark_dirty reports the worker (the coordinator's list of workers to refresh)
-        self.dirty_sink: list[SimWorker] | None = None
+        # where mark_dirty reports the worker (the coordinator's list of workers to refresh; until a
+        # coordinator gives its own, a list nobody reads)
+        self.dirty_sink: list[SimWorker] = []
         # the gateway's entry for it (a SeenWorker, set by the coordinator: `Coordinator.view`)
         self.seen: WorkerView | None = None
         self.lost: list[SimRequest] = []
@@ -122,14 +123,15 @@ class SimWorker:
         """The gateway's view of this worker is out of date (reported once until it is refreshed)."""
         if not self.dirty:
             self.dirty = True
-            if self.dirty_sink is not None:
-                self.dirty_sink.append(self)
+            self.dirty_sink.append(self)
 
     # -- work arriving ---------------------------------------------------------------------------
     def enqueue(self, r: SimRequest, now: float, rank: tuple[int, float] = (1, 0)) -> None:
         """r joins the queue behind every request of rank <= `rank` (core/outage.queue_rank: (1, 0)
         is plain FIFO; a resumed request ranks first; `rank_of` ranks the queued ones)."""
-        self.mark_dirty()
+        if not self.dirty:  # self.mark_dirty(), inlined (the hot path)
+            self.dirty = True
+            self.dirty_sink.append(self)
         if not self.alive:
             self.lost.append(r)  # sent to a dead worker the gateway has not yet declared failed
             return
@@ -208,8 +210,10 @@ class SimWorker:
                     self.prefill_q.popleft()
                     self._prefilled(r, now)
         else:
-            self.k += self.seg_steps
-            self._finish_due(now)
+            self.k = k = self.k + self.seg_steps
+            heap = self.batch.heap
+            if heap and heap[0][0] <= k:  # a request finishes (the run's end, not a cut)
+                self._finish_due(now)
         self.busy = IDLE
         self._plan(now)
 
@@ -271,8 +275,9 @@ class SimWorker:
             self.kv_used += need
             r.kv_reserved = need
             self.running += 1
-            if not self.dirty:
-                self.mark_dirty()
+            if not self.dirty:  # self.mark_dirty(), inlined
+                self.dirty = True
+                self.dirty_sink.append(self)
             prefill = ctx - r.restored
             if prefill < 1:
                 prefill = 1
@@ -300,9 +305,10 @@ class SimWorker:
             return
         on_finished = self.host.on_finished
         for r in finished:
-            # self._release(r), inlined
+            # self._release(r) and mark_dirty, inlined
             if not self.dirty:
-                self.mark_dirty()
+                self.dirty = True
+                self.dirty_sink.append(self)
             self.running -= 1
             self.kv_used -= r.kv_reserved
             r.kv_reserved = 0
