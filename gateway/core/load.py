@@ -120,12 +120,18 @@ class LoadTable:
                 )
                 if new == old and (new or _same_zero(new, old)):
                     continue  # same rank
-                if old is not None:
+                if old is None:
+                    insort(ranked, (new, wid))
+                else:
                     i = bisect_left(ranked, (old, wid))
                     if i == len(ranked) or ranked[i][1] != wid:
                         return False  # not where it should be (a non-finite L̂): rebuild
                     del ranked[i]
-                insort(ranked, (new, wid))
+                    # the keys are unique: its new place is on the side of i it moves to
+                    if new > old:
+                        insort(ranked, (new, wid), i)
+                    else:
+                        insort(ranked, (new, wid), 0, i)
                 loads[wid] = new
             elif old is not None:  # no longer serving
                 i = bisect_left(ranked, (old, wid))
