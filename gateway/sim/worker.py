@@ -116,6 +116,7 @@ class SimWorker:
         self.busy = IDLE
         self.seg_start = 0.0
         self.seg_steps = 0
+        self.seg_time = 0.0  # a decode run's: run.time(seg_steps), the unslowed seconds of its steps
         self.run: Run | None = None
         self.chunks: list[tuple[SimRequest, int]] = []
 
@@ -163,11 +164,12 @@ class SimWorker:
             run = self.run
             assert run is not None
             slow = self.slow
-            done = run.steps_within((now - self.seg_start) / slow, self.seg_steps)
+            done = run.steps_within((now - self.seg_start) / slow, self.seg_steps, self.seg_time)
             if done + 1 < self.seg_steps:
                 self.seg_steps = done + 1
                 self.version = version = self.version + 1
-                end = self.seg_start + run.time(done + 1) * slow
+                self.seg_time = seg_time = run.time(done + 1)
+                end = self.seg_start + seg_time * slow
                 heappush(self._heap, (end, next(self._seq), STEP, self, version))
 
     def set_speculation(self, k: int, e: float, now: float, wait_s: float = 0.0) -> None:
@@ -256,8 +258,9 @@ class SimWorker:
             self.run = run = self.cost.decode_run(b, ctx_sum, b * batch.e, self.spec_k * b, self.spec_wait_s)
             self.busy, self.seg_start = DECODE, now
             self.seg_steps = steps = batch.heap[0][0] - k  # batch.next_finish() - k
+            self.seg_time = seg_time = run.time(steps)
             self.version = version = self.version + 1
-            heappush(self._heap, (now + run.time(steps) * self.slow, next(self._seq), STEP, self, version))
+            heappush(self._heap, (now + seg_time * self.slow, next(self._seq), STEP, self, version))
 
     def _admit(self, now: float) -> None:
         waiting, capacity = self.waiting, self.kv_capacity
@@ -336,7 +339,7 @@ class SimWorker:
         """The worker's step counter at time t (within the current run) and when that step began."""
         if self.busy == DECODE and t > self.seg_start:
             assert self.run is not None
-            n = self.run.steps_within((t - self.seg_start) / self.slow, self.seg_steps)
+            n = self.run.steps_within((t - self.seg_start) / self.slow, self.seg_steps, self.seg_time)
             return self.k + n, self.seg_start + self.run.time(n) * self.slow
         return self.k, self.seg_start
 

@@ -150,6 +150,7 @@ def test_steps_within_finds_the_step_a_bisection_finds(
     whole = run.time(limit)
     for dt in (frac * whole, run.time(int(frac * limit)), whole, -1.0, 0.0):
         assert run.steps_within(dt, limit) == _bisect(run, dt, limit)
+        assert run.steps_within(dt, limit, whole) == _bisect(run, dt, limit)  # time(limit) given
 
 
 def _enqueue_unmemoised(self: SimWorker, r: SimRequest, now: float, rank: tuple[int, float] = (1, 0)) -> None:
