@@ -108,8 +108,12 @@ class LoadTable:
         if len(changes) > _MAX_INCREMENTAL:
             return False  # the caller drops this table: rebuilt on first use
         params = self.params
-        alpha, beta, batch = params.alpha, params.beta, max(1, params.nominal_batch)
-        ranked, loads, serving = self.ranked, self.loads, SERVING
+        batch = params.nominal_batch
+        alpha, beta, batch = params.alpha, params.beta, batch if batch > 1 else 1  # max(1, batch)
+        loads = self._loads
+        if loads is None:
+            loads = self.loads
+        ranked, serving = self.ranked, SERVING
         for _, w in changes:
             wid = w.id
             old = loads.get(wid)

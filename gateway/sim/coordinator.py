@@ -160,9 +160,9 @@ class Coordinator:
         view = self._view
         tables = view.derived
         if changes and tables:  # ClusterView.update_in_place without its mapping's updates
-            for key, table in list(tables.items()):
-                if not table.update(changes):
-                    del tables[key]
+            dropped = [key for key, table in tables.items() if not table.update(changes)]
+            for key in dropped:
+                del tables[key]
         return view
 
     def freeze(self, w: SimWorker) -> None:
