@@ -23,7 +23,7 @@ from typing import Protocol
 
 from gateway.core.health import WorkerState
 from gateway.core.types import WorkerView
-from gateway.sim.batch import DecodeBatch
+from gateway.sim.batch import RID_BITS, DecodeBatch
 from gateway.sim.events import RESTORED, STEP, EventQueue
 from gateway.sim.request import SimRequest
 from gateway.sim.stepcost import Run, StepCost
@@ -202,7 +202,7 @@ class SimWorker:
         if self.busy == PREFILL:
             self.k = k = self.k + 1
             heap = self.batch.heap
-            if heap and heap[0][0] <= k:  # a request finishes (the test of pop_finished)
+            if heap and heap[0] >> RID_BITS <= k:  # a request finishes (the test of pop_finished)
                 self._finish_due(now)
             chunks, self.chunks = self.chunks, []
             for r, n in chunks:
@@ -214,7 +214,7 @@ class SimWorker:
         else:
             self.k = k = self.k + self.seg_steps
             heap = self.batch.heap
-            if heap and heap[0][0] <= k:  # a request finishes (the run's end, not a cut)
+            if heap and heap[0] >> RID_BITS <= k:  # a request finishes (the run's end, not a cut)
                 self._finish_due(now)
         self.busy = IDLE
         self._plan(now)
@@ -257,7 +257,7 @@ class SimWorker:
             ctx_sum = batch.a_sum + k * b * batch.e
             self.run = run = self.cost.decode_run(b, ctx_sum, b * batch.e, self.spec_k * b, self.spec_wait_s)
             self.busy, self.seg_start = DECODE, now
-            self.seg_steps = steps = batch.heap[0][0] - k  # batch.next_finish() - k
+            self.seg_steps = steps = (batch.heap[0] >> RID_BITS) - k  # batch.next_finish() - k
             self.seg_time = seg_time = run.time(steps)
             self.version = version = self.version + 1
             heappush(self._heap, (now + seg_time * self.slow, next(self._seq), STEP, self, version))
