@@ -160,9 +160,13 @@ class Coordinator:
         view = self._view
         tables = view.derived
         if changes and tables:  # ClusterView.update_in_place without its mapping's updates
-            dropped = [key for key, table in tables.items() if not table.update(changes)]
-            for key in dropped:
-                del tables[key]
+            dropped = None  # (a loop, not a comprehension: no frame of its own per refresh)
+            for key, table in tables.items():
+                if not table.update(changes):
+                    dropped = [key] if dropped is None else [*dropped, key]
+            if dropped is not None:
+                for key in dropped:
+                    del tables[key]
         return view
 
     def freeze(self, w: SimWorker) -> None:
