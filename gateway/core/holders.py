@@ -124,11 +124,14 @@ def reassign_holders(
         # below then returns the first eligible candidate; this is that scan without its books
         for _, wid in order:
             w = workers[wid]
+            # can_hold(w, need_bytes) and not _same_domain(w.failure_domain, banned_domain), inlined
             if (
                 wid != serving
                 and wid not in alive_holders
-                and can_hold(w, need_bytes)
-                and not _same_domain(w.failure_domain, banned_domain)
+                and w.state in SERVING
+                and w.ckpt_budget_bytes > 0
+                and w.ckpt_budget_bytes - w.ckpt_bytes >= need_bytes
+                and (w.failure_domain == "" or w.failure_domain != banned_domain)
             ):
                 return (wid,)
         return ()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from typing import Final, cast
+from typing import Final
 
 from gateway.core.health import SERVING_STATES
 from gateway.core.types import ClusterView, LoadParams, WorkerId, WorkerView
@@ -101,12 +101,48 @@ class LoadTable:
     def update(self, changes: list[tuple[WorkerView | None, WorkerView]]) -> bool:
         """`derive`, in this table itself (`ClusterView.update_in_place`: for a view's sole owner).
 
-        The table's `loads` are kept up to date as well (made at the first update): they are each
-        worker's `L̂` in the old view, read instead of computed again from its old version."""
-        try:
-            self._moved(changes, self.ranked, self.loads)
-        except _Rebuild:
-            return False  # the caller drops this table, partly moved as it may be
+        The table's `loads` are kept up to date as well (made at the first update): each worker's
+        old `L̂` is read there, never from its old version (`was` is not read: a sole owner may pass
+        an entry it changed in place as both). `_moved` with this table's own books, in a loop of
+        its own (the simulator's hot path): the same floats and the same moves."""
+        if len(changes) > _MAX_INCREMENTAL:
+            return False  # the caller drops this table: rebuilt on first use
+        params = self.params
+        batch = params.nominal_batch
+        alpha, beta, batch = params.alpha, params.beta, batch if batch > 1 else 1  # max(1, batch)
+        loads = self._loads
+        if loads is None:
+            loads = self.loads
+        ranked, serving = self.ranked, SERVING
+        for _, w in changes:
+            wid = w.id
+            old = loads.get(wid)
+            if w.state in serving:
+                cap = w.kv_capacity_tokens  # estimated_load inlined, as in _moved
+                new = alpha * (w.ckpt_tokens / (cap if cap > 1 else 1)) + beta * (
+                    (w.running + w.waiting + w.pending) / batch
+                )
+                if new == old and (new or _same_zero(new, old)):
+                    continue  # same rank
+                if old is None:
+                    insort(ranked, (new, wid))
+                else:
+                    i = bisect_left(ranked, (old, wid))
+                    if i == len(ranked) or ranked[i][1] != wid:
+                        return False  # not where it should be (a non-finite L̂): rebuild
+                    del ranked[i]
+                    # the keys are unique: its new place is on the side of i it moves to
+                    if new > old:
+                        insort(ranked, (new, wid), i)
+                    else:
+                        insort(ranked, (new, wid), 0, i)
+                loads[wid] = new
+            elif old is not None:  # no longer serving
+                i = bisect_left(ranked, (old, wid))
+                if i == len(ranked) or ranked[i][1] != wid:
+                    return False
+                del ranked[i]
+                del loads[wid]
         self._total = None
         return True
 
@@ -179,8 +215,9 @@ def load_table(view: ClusterView, params: LoadParams) -> LoadTable:
     holds `params`, so that id cannot be reused by another object while the table exists.
     """
     key = id(params)
-    table = cast(LoadTable | None, view.derived.get(key))
-    if table is None or table.params is not params:
+    table = view.derived.get(key)
+    # (an isinstance test, not a cast: a cast's `LoadTable | None` is a new union at every call)
+    if not isinstance(table, LoadTable) or table.params is not params:
         table = LoadTable.build(view, params)
         view.derived[key] = table
     return table

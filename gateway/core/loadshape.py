@@ -42,7 +42,10 @@ class LoadShape:
     def observe(self, prompt_tokens: int, output_tokens: int) -> None:
         """One completed request. The first `span` are averaged evenly (no pull towards the prior
         once real requests exist), later ones with weight 1 / span."""
-        self.seen += 1
-        w = 1.0 / min(self.seen, self.span)
+        self.seen = seen = self.seen + 1
+        span = self.span
+        # min(seen, span) and max(1, output_tokens) without the calls (the same values: once per
+        # completed request in the simulator)
+        w = 1.0 / (seen if seen < span else span)
         self.prompt_tokens += w * (prompt_tokens - self.prompt_tokens)
-        self.output_tokens += w * (max(1, output_tokens) - self.output_tokens)
+        self.output_tokens += w * ((output_tokens if output_tokens > 1 else 1) - self.output_tokens)

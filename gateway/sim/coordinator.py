@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection
+from typing import Any
 
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import Decision, DispatchParams, InterruptedRequest, dispatch
@@ -24,7 +25,7 @@ from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.outage import OutageParams
+from gateway.core.outage import OutageParams, queue_rank
 from gateway.core.pairing import (
     PairingParams,
     draft_first_pays,
@@ -44,7 +45,7 @@ from gateway.core.speculation import (
     expected_tokens_per_step,
 )
 from gateway.core.types import ClusterView, LoadParams, WorkerView
-from gateway.sim.fastvalues import worker_view
+from gateway.sim.fastvalues import SeenWorker
 from gateway.sim.outage import SimOutage
 from gateway.sim.request import SimRequest
 from gateway.sim.scenario import DraftSpec
@@ -85,6 +86,10 @@ class Coordinator:
         self.spec_ks: list[int] = []
         # survivors' admission while a failure's outage or backlog lasts (gateway.core.outage)
         self.outage = SimOutage(workers, outage or OutageParams(), policy.outage_admission)
+        # outside a recovery a queue rank depends only on whether the attempt is the first
+        # (core `queue_rank`: `(first, 0)`): a first attempt's and a resumed one's, asked once here
+        params = self.outage.params
+        self._calm_ranks = (queue_rank(1, 1, params, False), queue_rank(2, 1, params, False))
         # the load's shape as completed requests show it: the draft-assist gate judges it
         self.shape = LoadShape()
         self.refresh_all()
@@ -96,10 +101,14 @@ class Coordinator:
         for w in self.workers:
             w.dirty_sink = self._dirty
             w.dirty = False
-        self._view = ClusterView({w.id: self._view_of(w) for w in self.workers})
+        seen = {w.id: self._view_of(w) for w in self.workers}
+        for w in self.workers:
+            w.seen = seen[w.id]
+        self._view = ClusterView(seen)
 
     def _view_of(self, w: SimWorker) -> WorkerView:
-        return WorkerView(
+        """A new entry for w, as it is now (one per worker, changed in place from then on)."""
+        return SeenWorker(
             w.id,
             w.state,
             w.incarnation,
@@ -117,39 +126,56 @@ class Coordinator:
     def view(self) -> ClusterView:
         """The gateway's view: the previous one updated for the workers marked dirty since.
 
-        The coordinator is the view's sole owner (no decision keeps a view), so it updates the view in
-        place (`ClusterView.update_in_place`), with the policies' ranked load tables: a decision costs
-        O(changed workers), not O(workers), and no copy of the view's mapping or tables.
+        The coordinator is the view's sole owner (no decision keeps a view or one of its workers), so
+        it changes each dirty worker's entry (a `SeenWorker`) in place, then moves it in the policies'
+        ranked load tables, as `ClusterView.update_in_place` does (given the same entry as old and
+        new: the tables read a worker's old `L̂` from their own books, not from its old entry). A
+        decision costs O(changed workers), not O(workers), and no new WorkerView.
         """
         dirty = self._dirty
         if not dirty:
             return self._view
-        changed = []
+        # (entry, entry) per changed worker: the derived tables' `update` (`Derived`), with each entry
+        # as its old and its new version (already in the view's mapping, changed in place)
+        changes: list[tuple[Any, Any]] = []  # SeenWorkers (mypy: a WorkerView's fields are read-only)
         for w in dirty:
             if not w.dirty:
                 continue  # refreshed since it was marked (freeze)
             w.dirty = False
-            if w.alive:  # self._view_of(w), the fast way (the hot path)
-                changed.append(worker_view(w, w.running, len(w.waiting), w.kv_used, w.kv_capacity, 0))
-            else:
-                last = self._view.workers[w.id]
-                changed.append(
-                    worker_view(
-                        w,
-                        last.running,
-                        last.waiting,
-                        last.kv_tokens_used,
-                        last.kv_capacity_tokens,
-                        len(w.lost) - w.lost_at_kill,  # sent to it since it died
-                    )
-                )
+            v: Any = w.seen
+            if w.alive:
+                v.running = w.running
+                v.waiting = len(w.waiting)
+                v.kv_tokens_used = w.kv_used
+                v.pending = 0
+            else:  # the gateway still sees the load it had when it died (`freeze`)
+                v.pending = len(w.lost) - w.lost_at_kill  # sent to it since it died
+            v.state = w.state
+            v.incarnation = w.incarnation
+            v.ckpt_tokens = w.ckpt_tokens
+            v.ckpt_bytes = w.ckpt_bytes
+            v.load_memo = None  # estimated_load's memo is of the old values
+            changes.append((v, v))
         dirty.clear()
-        self._view.update_in_place(changed)
-        return self._view
+        view = self._view
+        tables = view.derived
+        if changes and tables:  # ClusterView.update_in_place without its mapping's updates
+            dropped = None  # (a loop, not a comprehension: no frame of its own per refresh)
+            for key, table in tables.items():
+                if not table.update(changes):
+                    dropped = [key] if dropped is None else [*dropped, key]
+            if dropped is not None:
+                for key in dropped:
+                    del tables[key]
+        return view
 
     def freeze(self, w: SimWorker) -> None:
         """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
-        self._view.update_in_place((self._view_of(w),))
+        v: Any = w.seen
+        v.state, v.incarnation, v.running, v.waiting = w.state, w.incarnation, w.running, len(w.waiting)
+        v.kv_tokens_used, v.pending, v.ckpt_tokens, v.ckpt_bytes = w.kv_used, 0, w.ckpt_tokens, w.ckpt_bytes
+        v.load_memo = None
+        self._view.update_in_place((v,))
         w.dirty = False
 
     def set_state(self, w: SimWorker, state: WorkerState) -> None:
@@ -175,13 +201,14 @@ class Coordinator:
         r.restored = restored
         r.durable = 0
         if self.policy.checkpointing:
-            expected = r.context + (r.output - r.emitted)
+            expected = r.prompt + r.emitted + (r.output - r.emitted)  # r.context + what is left
             nbytes = expected * self.kvb
             chosen = choose_holders(self.view(), w.id, nbytes, self.holder_params)
             by_id = self.by_id
             holders = (by_id[chosen[0]],) if len(chosen) == 1 else tuple([by_id[h] for h in chosen])
             self._charge(r, holders, expected)
-        w.enqueue(r, now, self.outage.rank(r))
+        outage = self.outage
+        w.enqueue(r, now, outage.rank(r) if outage.recovering else self._calm_ranks[r.attempts > 1])
 
     def _charge(self, r: SimRequest, holders: tuple[SimWorker, ...], tokens: int) -> None:
         nbytes = tokens * self.kvb
@@ -189,8 +216,9 @@ class Coordinator:
             h.ckpt_tokens += tokens
             h.ckpt_bytes += nbytes
             h.held.add(r)
-            if not h.dirty:
-                h.mark_dirty()
+            if not h.dirty:  # h.mark_dirty(), inlined
+                h.dirty = True
+                h.dirty_sink.append(h)
         r.holders = r.holders + holders if r.holders else holders
         r.ck_tokens = tokens
 
@@ -202,8 +230,9 @@ class Coordinator:
             h.ckpt_tokens -= tokens
             h.ckpt_bytes -= nbytes
             h.held.discard(r)
-            if not h.dirty:
-                h.mark_dirty()
+            if not h.dirty:  # h.mark_dirty(), inlined
+                h.dirty = True
+                h.dirty_sink.append(h)
         r.holders = ()
         r.ck_time = None
 

@@ -1,74 +1,24 @@
-"""Faster construction of two frozen core values the simulator makes on every request.
+"""Cheaper forms of two frozen core values the simulator would otherwise make on every request.
 
 `WorkerView` and `RequestRecord` are frozen slotted dataclasses: their generated `__init__` sets each
-field through `object.__setattr__`, which costs ~4 µs for a WorkerView's 13 slots, and the simulator
-makes ~4 WorkerViews per request (the gateway's view, refreshed for the workers that changed) and
-one RequestRecord. Here each value is built as an instance of a plain class with the very same slots
-(an ordinary `__init__`, ~4× faster) whose `__class__` is then set to the frozen class. CPython allows
-that assignment between classes with an identical slot layout, and the object is from then on an
-ordinary instance of the frozen class: equal to, hashing and printing as one made by its own
-constructor (`tests/unit/test_sim_fastvalues.py` checks it field by field). The import-time checks
-below refuse to run if a field is ever added, removed or reordered in the core without this module.
+field through `object.__setattr__` (~4 µs for a WorkerView's 13 slots). The simulator refreshes ~4
+workers of its gateway's view per request: instead of a new WorkerView for each, it keeps one
+`SeenWorker` per worker (a WorkerView subclass it may change in place) and sets the fields that
+change. It makes one RequestRecord per request: built as an instance of a plain class with the very
+same slots (an ordinary `__init__`, ~4× faster) whose `__class__` is then set to the frozen class.
+CPython allows that assignment between classes with an identical slot layout, and the object is from
+then on an ordinary instance of the frozen class: equal to, hashing and printing as one made by its
+own constructor (`tests/unit/test_sim_fastvalues.py` checks it field by field). The import-time check
+below refuses to run if a field is ever added, removed or reordered in the core without this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from gateway.core.evaluation import RequestRecord
-from gateway.core.health import WorkerState
 from gateway.core.types import WorkerView
-
-if TYPE_CHECKING:
-    from gateway.sim.worker import SimWorker
-
-
-class _WorkerViewSlots:
-    __slots__ = (
-        "ckpt_budget_bytes",
-        "ckpt_bytes",
-        "ckpt_tokens",
-        "failure_domain",
-        "id",
-        "incarnation",
-        "kv_capacity_tokens",
-        "kv_tokens_used",
-        "load_memo",
-        "pending",
-        "running",
-        "state",
-        "waiting",
-    )
-
-    def __init__(
-        self,
-        wid: str,
-        state: WorkerState,
-        incarnation: int,
-        running: int,
-        waiting: int,
-        kv_tokens_used: int,
-        kv_capacity_tokens: int,
-        ckpt_tokens: int,
-        ckpt_bytes: int,
-        ckpt_budget_bytes: int,
-        failure_domain: str,
-        pending: int,
-    ) -> None:
-        self.id = wid
-        self.state = state
-        self.incarnation = incarnation
-        self.running = running
-        self.waiting = waiting
-        self.kv_tokens_used = kv_tokens_used
-        self.kv_capacity_tokens = kv_capacity_tokens
-        self.ckpt_tokens = ckpt_tokens
-        self.ckpt_bytes = ckpt_bytes
-        self.ckpt_budget_bytes = ckpt_budget_bytes
-        self.failure_domain = failure_domain
-        self.pending = pending
-        self.load_memo = None  # WorkerView's init=False field, as its own __init__ sets it
 
 
 class _RequestRecordSlots:
@@ -111,36 +61,22 @@ def _check_layout(twin: type, frozen: type) -> None:
         )
 
 
-_check_layout(_WorkerViewSlots, WorkerView)
 _check_layout(_RequestRecordSlots, RequestRecord)
 
 
-def worker_view(
-    w: SimWorker,
-    running: int,
-    waiting: int,
-    kv_tokens_used: int,
-    kv_capacity_tokens: int,
-    pending: int,
-) -> WorkerView:
-    """`WorkerView(w.id, w.state, w.incarnation, running, waiting, kv_tokens_used, kv_capacity_tokens,
-    w.ckpt_tokens, w.ckpt_bytes, w.ckpt_budget_bytes, w.domain, pending)`, faster."""
-    v = _WorkerViewSlots(
-        w.id,
-        w.state,
-        w.incarnation,
-        running,
-        waiting,
-        kv_tokens_used,
-        kv_capacity_tokens,
-        w.ckpt_tokens,
-        w.ckpt_bytes,
-        w.ckpt_budget_bytes,
-        w.domain,
-        pending,
-    )
-    v.__class__ = WorkerView  # type: ignore[assignment]
-    return cast(WorkerView, v)
+class SeenWorker(WorkerView):
+    """A WorkerView its sole owner changes in place: the simulated gateway's entry for one worker.
+
+    The coordinator keeps one per worker in its view and sets the fields of the workers that changed
+    before a decision (`Coordinator.view`), instead of making a new WorkerView for each change. It is
+    a WorkerView in every other respect (fields, methods, `L̂` memo); equality holds only between two
+    SeenWorkers. Only a shell that owns the view alone, and keeps no WorkerView of it across a
+    change, may use it (the simulator: every decision reads the view and returns).
+    """
+
+    __slots__ = ()
+    __setattr__ = object.__setattr__  # plain slot assignment (the frozen class refuses it)
+    __delattr__ = object.__delattr__
 
 
 def request_record(

@@ -48,6 +48,7 @@ class SimRequest:
         "output",
         "prefill_left",
         "prompt",
+        "rank_memo",
         "rem_base",
         "restored",
         "resume_delay",
@@ -86,6 +87,8 @@ class SimRequest:
         self.ck_time: float | None = None
         self.ck_base = 0
         self.durable = 0
+        # (rank_of, attempt, rank): its rank in a worker's queue, as `SimWorker.enqueue` last asked
+        self.rank_memo: tuple[object, int, tuple[int, float]] | None = None
 
     @property
     def context(self) -> int:

@@ -239,7 +239,7 @@ class Simulation:
             if r.last_before is not None:
                 r.resume_delay = now - r.last_before
         r.last_token = now
-        self.coord.stream_from(r, now, r.context - 1)
+        self.coord.stream_from(r, now, r.prompt + r.emitted - 1)  # r.context - 1
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         r.done = True

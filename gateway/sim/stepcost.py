@@ -108,16 +108,18 @@ class Run:
         second = 0.0 if count <= 0 else self.a2 * count + self.b2 * (split + n - 1) * count / 2.0
         return n * self.fixed + first + second
 
-    def steps_within(self, dt: float, limit: int) -> int:
+    def steps_within(self, dt: float, limit: int, whole: float | None = None) -> int:
         """The number of whole steps (at most `limit`) that end within `dt` seconds: the n with
         time(n) <= dt < time(n + 1) (`time` increases with n: every step takes at least `fixed`).
+        `whole`: time(limit), if the caller has it (a worker keeps its decode run's).
 
         Guessed from the run's mean step time, then corrected a step at a time (usually none or one
         step, where a bisection takes ~log2(limit) evaluations of `time`)."""
         if dt <= 0:
             return 0
         time = self.time
-        whole = time(limit)
+        if whole is None:
+            whole = time(limit)
         if whole <= dt:
             return limit
         n = int(dt / whole * limit)  # time(0) = 0 < dt < time(limit): the walks below end inside

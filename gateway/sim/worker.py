@@ -22,7 +22,8 @@ from heapq import heappush
 from typing import Protocol
 
 from gateway.core.health import WorkerState
-from gateway.sim.batch import DecodeBatch
+from gateway.core.types import WorkerView
+from gateway.sim.batch import RID_BITS, DecodeBatch
 from gateway.sim.events import RESTORED, STEP, EventQueue
 from gateway.sim.request import SimRequest
 from gateway.sim.stepcost import Run, StepCost
@@ -73,11 +74,17 @@ class SimWorker:
         self.ckpt_bytes = 0
         self.alive = True
         self.dirty = True  # the gateway's view of this worker is out of date
-        # where mark_dirty reports the worker (the coordinator's list of workers to refresh)
-        self.dirty_sink: list[SimWorker] | None = None
+        # where mark_dirty reports the worker (the coordinator's list of workers to refresh; until a
+        # coordinator gives its own, a list nobody reads)
+        self.dirty_sink: list[SimWorker] = []
+        # the gateway's entry for it (a SeenWorker, set by the coordinator: `Coordinator.view`)
+        self.seen: WorkerView | None = None
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
-        # a queued request's rank (`enqueue`); the coordinator ranks by prefill size while recovering
+        # a queued request's rank (`enqueue`); the coordinator ranks by prefill size while recovering.
+        # A rank_of must give a request the same rank for as long as it is one attempt (what it reads
+        # of the request, its prompt, progress and restored prefix, changes only with a new attempt):
+        # `enqueue` memoises it per (rank_of, attempt); a new ranking is a new rank_of object
         self.rank_of: Callable[[SimRequest], tuple[int, float]] = fifo_rank
         # step-time factor in effect (`slow`): a slow fault's (`fault_slow`, a gray failure) times a
         # seed's while it streams its weights to a restarting worker (`send_slow`)
@@ -109,6 +116,7 @@ class SimWorker:
         self.busy = IDLE
         self.seg_start = 0.0
         self.seg_steps = 0
+        self.seg_time = 0.0  # a decode run's: run.time(seg_steps), the unslowed seconds of its steps
         self.run: Run | None = None
         self.chunks: list[tuple[SimRequest, int]] = []
 
@@ -116,14 +124,15 @@ class SimWorker:
         """The gateway's view of this worker is out of date (reported once until it is refreshed)."""
         if not self.dirty:
             self.dirty = True
-            if self.dirty_sink is not None:
-                self.dirty_sink.append(self)
+            self.dirty_sink.append(self)
 
     # -- work arriving ---------------------------------------------------------------------------
     def enqueue(self, r: SimRequest, now: float, rank: tuple[int, float] = (1, 0)) -> None:
         """r joins the queue behind every request of rank <= `rank` (core/outage.queue_rank: (1, 0)
         is plain FIFO; a resumed request ranks first; `rank_of` ranks the queued ones)."""
-        self.mark_dirty()
+        if not self.dirty:  # self.mark_dirty(), inlined (the hot path)
+            self.dirty = True
+            self.dirty_sink.append(self)
         if not self.alive:
             self.lost.append(r)  # sent to a dead worker the gateway has not yet declared failed
             return
@@ -133,7 +142,14 @@ class SimWorker:
             i = 0
             rank_of = self.rank_of
             for q in self.waiting:
-                if rank_of(q) > rank:
+                # rank_of(q), memoised on q for this rank_of and attempt (see `rank_of`)
+                m = q.rank_memo
+                if m is not None and m[0] is rank_of and m[1] == q.attempts:
+                    q_rank = m[2]
+                else:
+                    q_rank = rank_of(q)
+                    q.rank_memo = (rank_of, q.attempts, q_rank)
+                if q_rank > rank:
                     break
                 i += 1
             self.waiting.insert(i, r)
@@ -148,11 +164,12 @@ class SimWorker:
             run = self.run
             assert run is not None
             slow = self.slow
-            done = run.steps_within((now - self.seg_start) / slow, self.seg_steps)
+            done = run.steps_within((now - self.seg_start) / slow, self.seg_steps, self.seg_time)
             if done + 1 < self.seg_steps:
                 self.seg_steps = done + 1
                 self.version = version = self.version + 1
-                end = self.seg_start + run.time(done + 1) * slow
+                self.seg_time = seg_time = run.time(done + 1)
+                end = self.seg_start + seg_time * slow
                 heappush(self._heap, (end, next(self._seq), STEP, self, version))
 
     def set_speculation(self, k: int, e: float, now: float, wait_s: float = 0.0) -> None:
@@ -185,7 +202,7 @@ class SimWorker:
         if self.busy == PREFILL:
             self.k = k = self.k + 1
             heap = self.batch.heap
-            if heap and heap[0][0] <= k:  # a request finishes (the test of pop_finished)
+            if heap and heap[0] >> RID_BITS <= k:  # a request finishes (the test of pop_finished)
                 self._finish_due(now)
             chunks, self.chunks = self.chunks, []
             for r, n in chunks:
@@ -195,8 +212,10 @@ class SimWorker:
                     self.prefill_q.popleft()
                     self._prefilled(r, now)
         else:
-            self.k += self.seg_steps
-            self._finish_due(now)
+            self.k = k = self.k + self.seg_steps
+            heap = self.batch.heap
+            if heap and heap[0] >> RID_BITS <= k:  # a request finishes (the run's end, not a cut)
+                self._finish_due(now)
         self.busy = IDLE
         self._plan(now)
 
@@ -238,9 +257,10 @@ class SimWorker:
             ctx_sum = batch.a_sum + k * b * batch.e
             self.run = run = self.cost.decode_run(b, ctx_sum, b * batch.e, self.spec_k * b, self.spec_wait_s)
             self.busy, self.seg_start = DECODE, now
-            self.seg_steps = steps = batch.heap[0][0] - k  # batch.next_finish() - k
+            self.seg_steps = steps = (batch.heap[0] >> RID_BITS) - k  # batch.next_finish() - k
+            self.seg_time = seg_time = run.time(steps)
             self.version = version = self.version + 1
-            heappush(self._heap, (now + run.time(steps) * self.slow, next(self._seq), STEP, self, version))
+            heappush(self._heap, (now + seg_time * self.slow, next(self._seq), STEP, self, version))
 
     def _admit(self, now: float) -> None:
         waiting, capacity = self.waiting, self.kv_capacity
@@ -258,8 +278,9 @@ class SimWorker:
             self.kv_used += need
             r.kv_reserved = need
             self.running += 1
-            if not self.dirty:
-                self.mark_dirty()
+            if not self.dirty:  # self.mark_dirty(), inlined
+                self.dirty = True
+                self.dirty_sink.append(self)
             prefill = ctx - r.restored
             if prefill < 1:
                 prefill = 1
@@ -287,9 +308,10 @@ class SimWorker:
             return
         on_finished = self.host.on_finished
         for r in finished:
-            # self._release(r), inlined
+            # self._release(r) and mark_dirty, inlined
             if not self.dirty:
-                self.mark_dirty()
+                self.dirty = True
+                self.dirty_sink.append(self)
             self.running -= 1
             self.kv_used -= r.kv_reserved
             r.kv_reserved = 0
@@ -317,7 +339,7 @@ class SimWorker:
         """The worker's step counter at time t (within the current run) and when that step began."""
         if self.busy == DECODE and t > self.seg_start:
             assert self.run is not None
-            n = self.run.steps_within((t - self.seg_start) / self.slow, self.seg_steps)
+            n = self.run.steps_within((t - self.seg_start) / self.slow, self.seg_steps, self.seg_time)
             return self.k + n, self.seg_start + self.run.time(n) * self.slow
         return self.k, self.seg_start
 

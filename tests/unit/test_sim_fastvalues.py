@@ -1,8 +1,9 @@
 """The simulator's fast paths give the same values and the same runs as the plain ones.
 
-`gateway.sim.fastvalues` builds WorkerView and RequestRecord without their frozen `__init__`: the
-values must be indistinguishable, and a run with the plain constructors swapped back in must produce
-exactly the same records, samples and statistics. (The simulator's other speed-ups are checked
+`gateway.sim.fastvalues` builds RequestRecord without its frozen `__init__` (the value must be
+indistinguishable) and gives the simulated gateway WorkerViews it changes in place (`SeenWorker`); a
+run whose every decision reads a view built from scratch of plain WorkerViews, with the plain
+RequestRecord constructor, must produce exactly the same records, samples and statistics. (The simulator's other speed-ups are checked
 against the tree before them by `scripts/bench_sim.py golden`, which fingerprints whole runs.)
 """
 
@@ -17,7 +18,7 @@ from gateway.core.evaluation import RequestRecord
 from gateway.core.health import WorkerState
 from gateway.core.load import estimated_load
 from gateway.core.modes import policy_for
-from gateway.core.types import LoadParams, WorkerView
+from gateway.core.types import ClusterView, LoadParams, WorkerView
 from gateway.sim import coordinator, fastvalues, request
 from gateway.sim.result import RunResult
 from gateway.sim.runner import build_workload
@@ -25,23 +26,23 @@ from gateway.sim.scenario import parse_scenario
 from gateway.sim.simulation import Simulation
 
 
-class _W:
-    id, state, incarnation, domain = "w3", WorkerState.DRAFT_READY, 2, "d1"
-    ckpt_tokens, ckpt_bytes, ckpt_budget_bytes = 700, 7000, 10**9
-
-
-def test_worker_view_is_a_worker_view_equal_to_the_constructors() -> None:
-    fast = fastvalues.worker_view(_W(), 5, 3, 1200, 4000, 2)  # type: ignore[arg-type]
+def test_a_seen_worker_is_a_worker_view_changed_in_place() -> None:
+    seen = fastvalues.SeenWorker(
+        "w3", WorkerState.DRAFT_READY, 2, 5, 3, 1200, 4000, 700, 7000, 10**9, "d1", 2
+    )
     plain = WorkerView("w3", WorkerState.DRAFT_READY, 2, 5, 3, 1200, 4000, 700, 7000, 10**9, "d1", 2)
-    assert type(fast) is WorkerView
-    assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
-    assert [getattr(fast, f.name) for f in dataclasses.fields(WorkerView)] == [
+    assert isinstance(seen, WorkerView) and repr(seen) == repr(plain).replace("WorkerView", "SeenWorker", 1)
+    assert [getattr(seen, f.name) for f in dataclasses.fields(WorkerView)] == [
         getattr(plain, f.name) for f in dataclasses.fields(WorkerView)
     ]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        fast.running = 1  # type: ignore[misc]
     params = LoadParams()
-    assert estimated_load(fast, params) == estimated_load(plain, params)  # the memo slot works
+    assert estimated_load(seen, params) == estimated_load(plain, params)  # the memo slot works
+    seen.running = 1  # type: ignore[misc]
+    seen.load_memo = None  # type: ignore[misc]  # what Coordinator.view does after a change
+    assert seen.running == 1
+    assert estimated_load(seen, params) == estimated_load(dataclasses.replace(plain, running=1), params)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plain.running = 1  # type: ignore[misc]
 
 
 def test_request_record_equals_the_constructors_and_validates_the_same() -> None:
@@ -69,26 +70,18 @@ def _run(mode: str) -> RunResult:
     return Simulation(s, policy_for(mode), build_workload(s, 3), 3).run()
 
 
-def test_a_run_with_the_plain_constructors_is_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_with_the_plain_values_is_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same run when every decision reads a view made from scratch of plain WorkerViews (so its
+    ranked tables are built afresh) and every record comes from RequestRecord's own constructor."""
     fast = _run("lumen")
+    in_place = coordinator.Coordinator.view
 
-    def plain_view(w, running, waiting, kv_used, kv_capacity, pending):  # type: ignore[no-untyped-def]
-        return WorkerView(
-            w.id,
-            w.state,
-            w.incarnation,
-            running,
-            waiting,
-            kv_used,
-            kv_capacity,
-            w.ckpt_tokens,
-            w.ckpt_bytes,
-            w.ckpt_budget_bytes,
-            w.domain,
-            pending,
-        )
+    def scratch_view(self: coordinator.Coordinator) -> ClusterView:
+        init = [f.name for f in dataclasses.fields(WorkerView) if f.init]
+        seen = in_place(self).workers
+        return ClusterView({wid: WorkerView(*(getattr(w, n) for n in init)) for wid, w in seen.items()})
 
-    monkeypatch.setattr(coordinator, "worker_view", plain_view)
+    monkeypatch.setattr(coordinator.Coordinator, "view", scratch_view)
     monkeypatch.setattr(request, "request_record", RequestRecord)
     plain = _run("lumen")
     assert fast.records == plain.records

@@ -26,6 +26,7 @@ from gateway.sim.runner import build_workload
 from gateway.sim.scenario import Scenario, parse_scenario
 from gateway.sim.simulation import Simulation
 from gateway.sim.stepcost import Run, StepCost
+from gateway.sim.worker import SimWorker
 from gateway.sim.workload import Workload
 
 
@@ -149,3 +150,41 @@ def test_steps_within_finds_the_step_a_bisection_finds(
     whole = run.time(limit)
     for dt in (frac * whole, run.time(int(frac * limit)), whole, -1.0, 0.0):
         assert run.steps_within(dt, limit) == _bisect(run, dt, limit)
+        assert run.steps_within(dt, limit, whole) == _bisect(run, dt, limit)  # time(limit) given
+
+
+def _enqueue_unmemoised(self: SimWorker, r: SimRequest, now: float, rank: tuple[int, float] = (1, 0)) -> None:
+    """`SimWorker.enqueue` as it was: every queued request's rank asked again at each insertion."""
+    self.mark_dirty()
+    if not self.alive:
+        self.lost.append(r)
+        return
+    if rank == (1, 0) and (not self.waiting or self.rank_of(self.waiting[-1]) <= rank):
+        self.waiting.append(r)
+    else:
+        i = 0
+        for q in self.waiting:
+            if self.rank_of(q) > rank:
+                break
+            i += 1
+        self.waiting.insert(i, r)
+    self.kick(now)
+
+
+def test_memoised_queue_ranks_give_the_same_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queues ranked shortest-first during the recovery (most of this run's requests are inserted by
+    rank), some requests resumed twice: the rank memo changes nothing."""
+    s = parse_scenario(
+        {
+            "cluster": {"workers": 4, "model": "Qwen3-8B", "draft_model": "Qwen3-0.6B"},
+            "workload": {"rate": 90.0, "duration_s": 20.0},
+            "failures": [{"at_s": 5.0, "workers": ["w1"]}, {"at_s": 9.0, "workers": ["w2", "w3"]}],
+        },
+        name="ranked-queues",
+    )
+    workload = build_workload(s, 2)
+    fast = Simulation(s, policy_for("lumen"), workload, 2).run()
+    monkeypatch.setattr(SimWorker, "enqueue", _enqueue_unmemoised)
+    slow = Simulation(s, policy_for("lumen"), workload, 2).run()
+    _same(fast, slow)
+    assert fast.stats.restores + fast.stats.replays > 0
