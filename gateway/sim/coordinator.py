@@ -295,6 +295,8 @@ class Coordinator:
             return False
         if not self.outage.recovering:
             self._admitting(self.outage.set_recovering(True, now))
+        elif self.outage.shaping:
+            self._admitting(self.outage.check(now))
         self.decisions[decision.action] += 1
         target = self.by_id[decision.worker]
         # the engine finds r's pages in its own store by prefix lookup, whatever the rule called it

@@ -52,7 +52,7 @@ class SimOutage:
         if not self.recovering:
             return None
         workers = self.workers
-        serving = [w for w in workers if w.state is WorkerState.HEALTHY and w.alive]
+        serving = [w for w in workers if w.state is WorkerState.HEALTHY]
         waiting = sum(len(w.waiting) for w in serving)
         if backlog_drained(waiting, len(serving), len(serving) == len(workers)):
             return self.set_recovering(False, now)
@@ -65,7 +65,7 @@ class SimOutage:
         live gateway's OutageAdmission sends to Lumen's workers."""
         on = self.recovering and self.shaping
         if on:
-            down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY or not w.alive)
+            down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY)
             self.down_peak = max(self.down_peak, down)
         self.boost = outage_boost(self.params, on, len(self.workers), self.down_peak)
         limit = admission_limit(self.base_running, self.boost)
