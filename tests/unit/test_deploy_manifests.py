@@ -249,6 +249,10 @@ SGLANG_FLAGS = {
     "--enable-deterministic-inference",
     "--page-size",
     "--incremental-streaming-output",
+    "--max-running-requests",
+    "--enable-priority-scheduling",
+    "--schedule-low-priority-values-first",
+    "--disable-priority-preemption",
 }
 # values the kubelet would substitute for the downward API in `$(VAR)` references
 DOWNWARD_SAMPLES = {

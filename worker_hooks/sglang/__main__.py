@@ -156,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
         "running requests and have the gateway hold it to B outside a recovery, so it can take the "
         "outage batch boost (1: no room, not held)",
     )
+    p.add_argument(
+        "--held-batch",
+        type=int,
+        default=None,
+        metavar="B",
+        help="a server started elsewhere with room for the outage batch boost (e.g. "
+        "--max-running-requests 96 for a normal batch of 64): have the gateway hold it to B running "
+        "requests outside a recovery (with --launch: from --max-running-requests and --outage-headroom)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -183,6 +192,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("arguments after -- are for the server: add --launch")
     if args.no_restart and not args.launch:
         parser.error("--no-restart needs --launch")
+    if args.held_batch is not None and args.held_batch < 1:
+        parser.error(f"--held-batch must be >= 1, not {args.held_batch}")
     if args.log_level.upper() not in logging.getLevelNamesMapping():
         parser.error(f"unknown --log-level {args.log_level!r}")
     try:
@@ -260,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     launch: list[str] | None = None
     try:
         tp = args.tp if args.tp is not None else tp_of(tail)
-        held = 0
+        held = args.held_batch or 0
         if args.launch:
-            tail, held = with_headroom(tail, args.outage_headroom)
+            tail, from_launch = with_headroom(tail, args.outage_headroom)
+            held = held or from_launch
             launch = server_command(args.url, tail)
     except LaunchError as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)
