@@ -280,3 +280,12 @@ def test_a_launched_server_gets_room_for_the_outage_boost_and_the_gateway_holds_
 def test_a_batch_that_is_not_a_positive_integer_is_refused(value: str) -> None:
     with pytest.raises(LaunchError, match="--max-running-requests"):
         with_headroom(["--max-running-requests", value], 1.5)
+
+
+def test_the_agents_held_batch_options() -> None:
+    args, _ = parse(["--url", URL, "--gateway", "g:1", "--held-batch", "64"])
+    assert args.held_batch == 64 and args.outage_headroom == 1.5
+    args, _ = parse(["--url", URL, "--gateway", "g:1"])
+    assert args.held_batch is None
+    with pytest.raises(SystemExit):
+        parse(["--url", URL, "--gateway", "g:1", "--held-batch", "0"])
