@@ -19,6 +19,7 @@ from gateway.core.types import LoadParams
 from gateway.protocol.faults import FAULT_MODES, SLOWDOWN_RANGE, SPEED_MODES
 from gateway.server.api.auth import require_admin
 from gateway.server.api.errors import InvalidRequest, NotFound, UpstreamFailed, UpstreamRejected
+from gateway.server.recovery.levers import OutageLevers
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.monitor import LoadMonitor
@@ -39,6 +40,7 @@ class Administered(Protocol):
     monitor: LoadMonitor
     sessions: SessionManager | None
     assist: DraftCoordinator | None
+    levers: OutageLevers
     load_params: LoadParams
     fault_injector: FaultInjector | None
     started_at: float
@@ -74,6 +76,7 @@ class AdminAPI:
     async def workers(self, request: web.Request) -> web.Response:
         require_admin(request, self.gw.config.gateway.admin_api_keys)
         now = time.monotonic()
+        held = self.gw.levers.held
         out = []
         for w in sorted(self.gw.monitor.workers.values(), key=lambda r: r.id):
             out.append(
@@ -86,7 +89,10 @@ class AdminAPI:
                     "pid": w.pid,
                     "running": w.running,
                     "waiting": w.waiting,
-                    "batch_limit": w.batch_limit or w.max_running_requests,
+                    # the limit in force: a Lumen worker's report, or the gateway's hold of an SGLang server
+                    "batch_limit": held.limit(w) if w.held_batch else w.batch_limit or w.max_running_requests,
+                    "held_waiting": held.waiting(w.id),  # requests waiting at the gateway for a slot
+                    "priority_order": w.priority_order,  # an SGLang server ordering its queue by priority
                     "inflight": w.inflight,
                     "kv_tokens_used": w.kv_tokens_used,
                     "kv_capacity_tokens": w.kv_capacity_tokens,
