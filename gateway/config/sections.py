@@ -311,6 +311,9 @@ class SGLangWorker:
 
     url: str = ""  # http://host:port of `python -m sglang.launch_server`
     id: str = ""  # worker id; "": sglang-<index>
+    # a server launched with room for the outage batch boost (--max-running-requests ceil(1.5 B)): the
+    # gateway holds it to B running requests outside a recovery (0: not held; docs/sglang.md)
+    held_batch: int = 0
 
 
 @dataclass(frozen=True, slots=True)

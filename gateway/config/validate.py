@@ -387,6 +387,7 @@ def _sglang(cfg: Config) -> None:
             w.url,
             "must be an http:// or https:// URL of an SGLang server",
         )
+        _check(0 <= w.held_batch <= 1_000_000, f"{key}.held_batch", w.held_batch, "must be in 0..1000000")
         wid = sglang_worker_id(i, w.id)
         _check(wid not in ids, f"{key}.id", wid, "duplicate worker id")
         ids.add(wid)

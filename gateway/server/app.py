@@ -246,7 +246,9 @@ class Gateway:
                 self.monitor,
                 self._http,
                 [
-                    SGLangTarget(sglang_worker_id(i, w.id), w.url.rstrip("/"), self.config.model.preset)
+                    SGLangTarget(
+                        sglang_worker_id(i, w.id), w.url.rstrip("/"), self.config.model.preset, w.held_batch
+                    )
                     for i, w in enumerate(sg.workers)
                 ],
                 poll_interval_s=sg.poll_interval_ms / 1000,

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.config import load_config
+from gateway.config import ConfigError, load_config
 from gateway.core.health import WorkerState
 from gateway.server.app import Gateway
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_standin
@@ -128,3 +128,36 @@ def test_several_gateways_each_hold_their_share_of_the_batch(gateways: int, shar
         held_batch=8,
     )
     assert SGLangRole(Sidecar(cfg)).hello().held_batch == share
+
+
+async def test_an_agentless_server_is_held_by_its_config() -> None:
+    """`[[sglang.workers]] held_batch = 2`: the gateway polls the server itself and holds it to 2."""
+    server = await start_standin(token_delay_ms=20, max_running_requests=ROOM)
+    cfg = load_config(
+        overrides={
+            "gateway.port": 0,
+            "gateway.control_port": 0,
+            "recovery.mode": "lumen",
+            "sglang.poll_interval_ms": 50,
+            "sglang.workers": [{"url": server.url, "id": "sg0", "held_batch": HELD}],
+        }
+    )
+    gw = Gateway(cfg)
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{gw.http_port}") as http:
+            async with asyncio.timeout(10):
+                while gw.monitor.healthy_count() < 1:
+                    await asyncio.sleep(0.01)
+            assert gw.monitor.workers["sg0"].held_batch == HELD
+            got = await asyncio.wait_for(asyncio.gather(*(stream_ids(http, p) for p in PROMPTS[:4])), 30.0)
+            assert got == [expected_ids(p, MAX_TOKENS, 0.0) for p in PROMPTS[:4]]
+            assert server.stats()["peak_running"] == HELD  # the server admits 3; the gateway held it to 2
+    finally:
+        await gw.stop()
+        await server.stop()
+
+
+def test_a_held_batch_out_of_range_is_a_config_error_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"sglang.workers\[0\].held_batch"):
+        load_config(overrides={"sglang.workers": [{"url": "http://127.0.0.1:30000", "held_batch": -1}]})

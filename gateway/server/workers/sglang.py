@@ -45,6 +45,7 @@ class SGLangTarget:
     worker_id: str
     url: str
     model: str = ""
+    held_batch: int = 0  # the batch the gateway holds it to (held.py); 0: not held
 
 
 class _Unready(Exception):
@@ -158,6 +159,7 @@ class SGLangPoller:
                 phase=pb.SERVING,
                 kv_capacity_tokens=sum(r.max_total_num_tokens for r in loads.loads),
                 max_running_requests=sum(r.max_running_requests for r in loads.loads) if first else 0,
+                held_batch=t.held_batch,
             )
             try:
                 rec = self.monitor.attach(hello)
