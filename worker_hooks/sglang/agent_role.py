@@ -97,6 +97,8 @@ class SGLangRole:
             kv_tokens_used=sum(r.num_used_tokens for r in ranks),
             awaiting_seed=self.sidecar.reloader.awaiting_seed,
             pid=self.sidecar.server_pid or 0,  # a server relaunched within this session has a new one
+            # what the server admits (its Hello may have gone before the first /v1/loads answered)
+            batch_limit=sum(r.max_running_requests for r in ranks),
         )
         held = self.sidecar.holder
         if held is not None:

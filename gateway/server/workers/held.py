@@ -94,8 +94,10 @@ class HeldBatches:
         monitor.on_state_change.append(self._on_state_change)
 
     def limit(self, rec: WorkerRecord) -> int:
+        """`held_batch` under the boost, never above what the server admits (its heartbeats' report)."""
         limit = admission_limit(rec.held_batch, self.boost)
-        return min(limit, rec.max_running_requests) if rec.max_running_requests > 0 else limit
+        admits = rec.batch_limit or rec.max_running_requests
+        return min(limit, admits) if admits > 0 else limit
 
     def gate(self, rec: WorkerRecord) -> SlotGate | None:
         """The gate of `rec`'s incarnation (made on first use), or None: the gateway holds nothing."""
