@@ -357,6 +357,9 @@ class Gateway:
             self.metrics.drafted_tokens.labels(worker=w.id).set(w.drafted_tokens)
             self.metrics.accepted_tokens.labels(worker=w.id).set(w.accepted_tokens)
             self.metrics.draft_rounds.labels(worker=w.id).set(w.draft_rounds)
+            if w.held_batch:
+                self.metrics.held_waiting.labels(worker=w.id).set(self.levers.held.waiting(w.id))
+                self.metrics.held_limit.labels(worker=w.id).set(self.levers.held.limit(w))
             if w.state is WorkerState.HEALTHY:
                 held.append(w.ckpt_tokens)
         if self.checkpoints is not None and self.sessions is not None:

@@ -93,6 +93,18 @@ class GatewayMetrics:
             "Batch-limit factor granted to the serving workers while a recovery lasts (1: none)",
             registry=r,
         )
+        self.held_waiting = Gauge(
+            "lumen_sglang_held_waiting",
+            "Requests waiting at the gateway for a slot of an SGLang server it holds to its batch",
+            ["worker"],
+            registry=r,
+        )
+        self.held_limit = Gauge(
+            "lumen_sglang_held_limit",
+            "The batch the gateway holds an SGLang server to now (boosted while a recovery lasts)",
+            ["worker"],
+            registry=r,
+        )
         self.assist_changes = Counter(
             "lumen_draft_assist_changes", "Draft-assist pairs started and stopped", ["change"], registry=r
         )

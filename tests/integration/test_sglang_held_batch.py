@@ -105,6 +105,10 @@ async def test_the_survivor_takes_the_boost_only_in_lumens_modes_and_every_strea
             shown = {w["id"]: w for w in await resp.json()}
         assert [shown[f"s{i}"]["batch_limit"] for i in range(2)] == [HELD, HELD]
         assert sum(shown[f"s{i}"]["held_waiting"] for i in range(2)) == 2
+        async with http.get("/metrics") as resp:
+            text = await resp.text()
+        assert 'lumen_sglang_held_limit{worker="s0"} 2.0' in text
+        assert 'lumen_sglang_held_waiting{worker="s1"}' in text
         victim = next(s for s, r in zip(servers, recs, strict=True) if held.waiting(r.id) > 0)
         survivor = next(s for s in servers if s is not victim)
         await victim.kill()
