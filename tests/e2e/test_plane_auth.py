@@ -11,6 +11,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -36,6 +37,9 @@ def forged(i: int, incarnation: int) -> list[bytes]:
     return [kv.encode_header(header), page_bytes(f"{i:064x}", 64 << 10)]
 
 
+# the default run has its in-process twin (tests/integration/test_plane_security.py
+# test_forged_pages_from_a_plaintext_push_store_nothing); this one, with real worker processes, ~11 s
+@pytest.mark.slow
 async def test_forged_pages_to_a_live_worker_store_nothing(cluster_factory: Any, tmp_path: Path) -> None:
     c = cluster_factory(
         workers=2, mode="lumen", **{"engine.page_size": 16, "checkpoint.payload_scale": 0.001}
@@ -44,6 +48,7 @@ async def test_forged_pages_to_a_live_worker_store_nothing(cluster_factory: Any,
     w0 = next(w for w in ws if w["id"] == "w0")
     w1 = next(w for w in ws if w["id"] == "w1")
     assert w0["kv_endpoint"].startswith("tcp://") and w0["ckpt_tokens"] == 0
+
     # the worker logged the refused handshake (its log is in the cluster's log folder)
     def logged() -> bool:
         logs = [p for p in Path(c.stderr_path).parent.rglob("*") if p.is_file()]
