@@ -18,6 +18,7 @@ its worker by rid, since a dropped connection alone no longer does.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections import deque
@@ -289,14 +290,7 @@ class SessionManager:
             else req
         )
         # an SGLang server the gateway holds to its batch (held.py): a slot first, in queue-rank order
-        gate = self.held.gate(worker) if sglang and self.held is not None else None
-        if gate is not None:
-            worker.inflight += 1  # waiting here is this worker's load (its view's `pending`)
-            try:
-                await gate.acquire(rank)
-            finally:
-                worker.inflight -= 1
-        try:
+        async with self._held_slot(worker, rank):
             assist = None
             # assisted output must stay exact, and has no logprobs (a verification gives only the top-1)
             greedy = (sp.temperature <= 0.0 or sp.top_k == 1) and s.job.logprobs is None
@@ -340,9 +334,24 @@ class SessionManager:
                     # given up here (client gone, stop string, moved elsewhere): a dropped connection does
                     # not end it on the worker (orphan grace; some SGLang deployments), its rid does
                     self._abort_on(worker, body.rid if isinstance(body, SGLangGenerate) else wrid)
+
+    @contextlib.asynccontextmanager
+    async def _held_slot(self, worker: WorkerRecord, rank: int) -> AsyncIterator[None]:
+        """A slot of `worker`'s held batch for one attempt (none to take where it is not held): waited
+        for in queue-rank order, counted meanwhile as the worker's load (its view's `pending`)."""
+        gate = self.held.gate(worker) if self.held is not None else None
+        if gate is None:
+            yield
+            return
+        worker.inflight += 1
+        try:
+            await gate.acquire(rank)
         finally:
-            if gate is not None:
-                gate.release()
+            worker.inflight -= 1
+        try:
+            yield
+        finally:
+            gate.release()
 
     async def _stream(
         self,

@@ -37,7 +37,7 @@ async def cluster(
             "gateway.port": 0,
             "gateway.control_port": 0,
             "recovery.mode": mode,
-            "health.heartbeat_misses": 3,
+            "health.heartbeat_misses": 20,  # a kill is seen by refused polls; silence needs 1 s here
             "sglang.poll_interval_ms": 50,
             "sglang.workers": [{"url": s.url, "id": f"sg{i}"} for i, s in enumerate(servers)],
         }
