@@ -59,6 +59,7 @@ async def cluster(mode: str) -> AsyncIterator[tuple[Gateway, list[SGLangStandIn]
                     url=s.url,
                     gateways=(f"127.0.0.1:{gw.control_port}",),
                     poll_interval_s=0.02,
+                    poll_misses=50,  # a busy box can starve the agent's /ready polls for 200 ms
                     token=TOKEN,
                     held_batch=HELD,
                 )
