@@ -92,7 +92,7 @@ async def queue_behind_the_running_one(
 async def test_a_priority_server_is_sent_priorities_and_serves_fifo_outside_a_recovery() -> None:
     async with cluster(1, "lumen") as (gw, [server], http):
         assert gw.monitor.workers["sg0"].priority_order
-        first = asyncio.create_task(complete(http, SHORT, 40))
+        first = asyncio.create_task(complete(http, SHORT, 120))  # 2.4 s: the others queue behind it
         await server.wait_for(lambda e: len(e.running) == 1)
         tasks = await queue_behind_the_running_one(http, server)
         await asyncio.wait_for(asyncio.gather(first, *tasks), 20.0)
