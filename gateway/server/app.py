@@ -139,7 +139,6 @@ class Gateway:
             heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
         )
         self.outage = self.levers.admission
-        self.held = self.levers.held
         self.levers.boost_hooks.append(self._boosted)
         # a restart loading its draft model first goes on only if drafting pays for the full model's
         # later start (the simulator's rule, `Coordinator.assist_wanted`); without draft assist, never
@@ -232,8 +231,7 @@ class Gateway:
             route_params=routing_params(self.load_params, self.config.load.route_by_checkpoint_load),
             verifier=self.verifier,
         )
-        self.sessions.held = self.levers.held
-        self.sessions.queue_priority = self.levers.queue_priority
+        self.sessions.levers = self.levers
         self.sessions.dispatcher.resume_hooks.append(self.levers.on_resume)
         if self.assist is not None:  # one estimate of the load's shape: the sessions feed it
             self.assist.shape = self.sessions.load_shape

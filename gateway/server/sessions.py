@@ -44,6 +44,7 @@ from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
 from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
+from gateway.server.recovery.levers import OutageLevers
 from gateway.server.session_book import note_interruption, note_tokens
 from gateway.server.session_records import (
     Session,
@@ -52,7 +53,6 @@ from gateway.server.session_records import (
 )
 from gateway.server.workers.aborts import Aborts
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
-from gateway.server.workers.held import HeldBatches
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.sessions")
@@ -111,11 +111,9 @@ class SessionManager:
         self.recent_interrupted: deque[Session] = deque(maxlen=2000)
         # the load's shape as completed requests show it (the draft-assist gate judges it)
         self.load_shape = LoadShape()
-        # an SGLang server's queue position for (attempt, tokens to prefill), for servers that order
-        # by priority (`WorkerRecord.priority_order`); set by the app (core/outage.py queue_priority)
-        self.queue_priority: Callable[[int, int], int] | None = None
-        # the batch the gateway holds SGLang servers to (launched with room for the outage boost)
-        self.held: HeldBatches | None = None
+        # the outage levers as SGLang servers take them (set by the app): each request's queue rank
+        # as a priority, and the batch the gateway holds a server to
+        self.levers: OutageLevers | None = None
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
         if len(self.live) >= self.max_concurrent:
@@ -280,8 +278,9 @@ class SessionManager:
             )
         req = attempt_request(s, wrid, worker.incarnation, holders, self.recovery.orphan_grace_s)
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
-        rank = self.queue_priority(s.attempts, len(req.input_ids)) if self.queue_priority else 0
-        priority = rank if sglang and worker.priority_order and self.queue_priority is not None else None
+        levers = self.levers if sglang else None
+        rank = levers.queue_priority(s.attempts, len(req.input_ids)) if levers is not None else 0
+        priority = rank if levers is not None and worker.priority_order else None
         body: msgspec.Struct = (
             to_sglang(
                 req, seed_base=s.seed_base, epoch=worker.incarnation, src_worker=worker.id, priority=priority
@@ -290,7 +289,7 @@ class SessionManager:
             else req
         )
         # an SGLang server the gateway holds to its batch (held.py): a slot first, in queue-rank order
-        async with self._held_slot(worker, rank):
+        async with levers.held.slot(worker, rank) if levers is not None else contextlib.nullcontext():
             assist = None
             # assisted output must stay exact, and has no logprobs (a verification gives only the top-1)
             greedy = (sp.temperature <= 0.0 or sp.top_k == 1) and s.job.logprobs is None
@@ -334,24 +333,6 @@ class SessionManager:
                     # given up here (client gone, stop string, moved elsewhere): a dropped connection does
                     # not end it on the worker (orphan grace; some SGLang deployments), its rid does
                     self._abort_on(worker, body.rid if isinstance(body, SGLangGenerate) else wrid)
-
-    @contextlib.asynccontextmanager
-    async def _held_slot(self, worker: WorkerRecord, rank: int) -> AsyncIterator[None]:
-        """A slot of `worker`'s held batch for one attempt (none to take where it is not held): waited
-        for in queue-rank order, counted meanwhile as the worker's load (its view's `pending`)."""
-        gate = self.held.gate(worker) if self.held is not None else None
-        if gate is None:
-            yield
-            return
-        worker.inflight += 1
-        try:
-            await gate.acquire(rank)
-        finally:
-            worker.inflight -= 1
-        try:
-            yield
-        finally:
-            gate.release()
 
     async def _stream(
         self,

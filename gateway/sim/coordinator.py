@@ -2,10 +2,9 @@
 
 Routing (`choose_worker`), holder placement (`choose_holders`, `reassign_holders`), recovery dispatch
 (`dispatch`), draft-assist pairing (`pair_drafters`, `draft_first_pays`, `assist_gain`) and worker
-state changes (`transition`) all come from `gateway.core`; this module only keeps the books they read.
+state changes (`transition`) all come from `gateway.core`; this module only keeps the books they read
+(the gateway's view of the workers: seen.py).
 
-The gateway's view is exact at each decision (no heartbeat lag), except that a dead worker keeps the
-load it had when it died, plus what was sent to it since, until the failure is detected.
 A holder is charged a checkpoint's final size (context + remaining output) from assignment until
 release, as the live checkpoint manager does. A checkpoint streams once the attempt's prefill is
 done: the prefilled context in bulk, then each full page as it fills; a page is durable once it
@@ -16,8 +15,7 @@ is the smaller of what the bulk transfer has moved and the full pages produced b
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Callable, Collection
 
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import Decision, DispatchParams, InterruptedRequest, dispatch
@@ -44,11 +42,11 @@ from gateway.core.speculation import (
     choose_k,
     expected_tokens_per_step,
 )
-from gateway.core.types import ClusterView, LoadParams, WorkerView
-from gateway.sim.fastvalues import SeenWorker
+from gateway.core.types import ClusterView, LoadParams
 from gateway.sim.outage import SimOutage
 from gateway.sim.request import SimRequest
 from gateway.sim.scenario import DraftSpec
+from gateway.sim.seen import SeenCluster
 from gateway.sim.stepcost import StepCost
 from gateway.sim.worker import SimWorker
 
@@ -78,8 +76,10 @@ class Coordinator:
         self.draft_step = draft_step
         self.kvb, self.page, self.lag_per_token = kv_bytes_per_token, page_size, lag_per_token
         self.route_load = routing_params(load, route_by_checkpoint_load)
-        self._dirty: list[SimWorker] = []  # workers marked dirty since view() last ran
-        self._view = ClusterView()
+        # the gateway's view of the workers (seen.py); the decisions below read view()
+        self.seen = SeenCluster(workers)
+        self.view: Callable[[], ClusterView] = self.seen.view
+        self.freeze: Callable[[SimWorker], None] = self.seen.freeze
         self.pairs: dict[str, str] = {}
         self.decisions: Counter[str] = Counter()
         self.restored_tokens = 0
@@ -92,91 +92,6 @@ class Coordinator:
         self._calm_ranks = (queue_rank(1, 1, params, False), queue_rank(2, 1, params, False))
         # the load's shape as completed requests show it: the draft-assist gate judges it
         self.shape = LoadShape()
-        self.refresh_all()
-
-    # -- the view ---------------------------------------------------------------------------------
-    def refresh_all(self) -> None:
-        """Rebuild the view of every worker (each worker then reports its changes: `mark_dirty`)."""
-        self._dirty.clear()
-        for w in self.workers:
-            w.dirty_sink = self._dirty
-            w.dirty = False
-        seen = {w.id: self._view_of(w) for w in self.workers}
-        for w in self.workers:
-            w.seen = seen[w.id]
-        self._view = ClusterView(seen)
-
-    def _view_of(self, w: SimWorker) -> WorkerView:
-        """A new entry for w, as it is now (one per worker, changed in place from then on)."""
-        return SeenWorker(
-            w.id,
-            w.state,
-            w.incarnation,
-            w.running,
-            len(w.waiting),
-            w.kv_used,
-            w.kv_capacity,
-            w.ckpt_tokens,
-            w.ckpt_bytes,
-            w.ckpt_budget_bytes,
-            w.domain,
-            0,  # the simulated gateway sees every worker's queue at once: nothing is unreported
-        )
-
-    def view(self) -> ClusterView:
-        """The gateway's view: the previous one updated for the workers marked dirty since.
-
-        The coordinator is the view's sole owner (no decision keeps a view or one of its workers), so
-        it changes each dirty worker's entry (a `SeenWorker`) in place, then moves it in the policies'
-        ranked load tables, as `ClusterView.update_in_place` does (given the same entry as old and
-        new: the tables read a worker's old `L̂` from their own books, not from its old entry). A
-        decision costs O(changed workers), not O(workers), and no new WorkerView.
-        """
-        dirty = self._dirty
-        if not dirty:
-            return self._view
-        # (entry, entry) per changed worker: the derived tables' `update` (`Derived`), with each entry
-        # as its old and its new version (already in the view's mapping, changed in place)
-        changes: list[tuple[Any, Any]] = []  # SeenWorkers (mypy: a WorkerView's fields are read-only)
-        for w in dirty:
-            if not w.dirty:
-                continue  # refreshed since it was marked (freeze)
-            w.dirty = False
-            v: Any = w.seen
-            if w.alive:
-                v.running = w.running
-                v.waiting = len(w.waiting)
-                v.kv_tokens_used = w.kv_used
-                v.pending = 0
-            else:  # the gateway still sees the load it had when it died (`freeze`)
-                v.pending = len(w.lost) - w.lost_at_kill  # sent to it since it died
-            v.state = w.state
-            v.incarnation = w.incarnation
-            v.ckpt_tokens = w.ckpt_tokens
-            v.ckpt_bytes = w.ckpt_bytes
-            v.load_memo = None  # estimated_load's memo is of the old values
-            changes.append((v, v))
-        dirty.clear()
-        view = self._view
-        tables = view.derived
-        if changes and tables:  # ClusterView.update_in_place without its mapping's updates
-            dropped = None  # (a loop, not a comprehension: no frame of its own per refresh)
-            for key, table in tables.items():
-                if not table.update(changes):
-                    dropped = [key] if dropped is None else [*dropped, key]
-            if dropped is not None:
-                for key in dropped:
-                    del tables[key]
-        return view
-
-    def freeze(self, w: SimWorker) -> None:
-        """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
-        v: Any = w.seen
-        v.state, v.incarnation, v.running, v.waiting = w.state, w.incarnation, w.running, len(w.waiting)
-        v.kv_tokens_used, v.pending, v.ckpt_tokens, v.ckpt_bytes = w.kv_used, 0, w.ckpt_tokens, w.ckpt_bytes
-        v.load_memo = None
-        self._view.update_in_place((v,))
-        w.dirty = False
 
     def set_state(self, w: SimWorker, state: WorkerState) -> None:
         w.state = transition(w.state, state)

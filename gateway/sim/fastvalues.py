@@ -68,7 +68,7 @@ class SeenWorker(WorkerView):
     """A WorkerView its sole owner changes in place: the simulated gateway's entry for one worker.
 
     The coordinator keeps one per worker in its view and sets the fields of the workers that changed
-    before a decision (`Coordinator.view`), instead of making a new WorkerView for each change. It is
+    before a decision (`SeenCluster.view`, seen.py), instead of making a new WorkerView for each change. It is
     a WorkerView in every other respect (fields, methods, `L̂` memo); equality holds only between two
     SeenWorkers. Only a shell that owns the view alone, and keeps no WorkerView of it across a
     change, may use it (the simulator: every decision reads the view and returns).

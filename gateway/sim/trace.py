@@ -268,7 +268,7 @@ class TraceRecorder:
         coord.route = route_w  # type: ignore[method-assign]
         coord.start = start_w  # type: ignore[method-assign]
         coord.release = release_w  # type: ignore[method-assign]
-        coord.freeze = freeze_w  # type: ignore[method-assign]
+        coord.freeze = freeze_w
         coord.set_state = set_state_w  # type: ignore[method-assign]
         coord.holder_failed = holder_failed_w  # type: ignore[method-assign]
         coord.recover = recover_w  # type: ignore[method-assign]

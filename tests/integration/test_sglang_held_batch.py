@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
@@ -19,6 +17,7 @@ from gateway.config import ConfigError, load_config
 from gateway.core.health import WorkerState
 from gateway.server.app import Gateway
 from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids, start_standin
+from tests.integration.test_sglang_gateway import stream_ids as greedy_stream_ids
 from worker_hooks.sglang.agent import Sidecar
 from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.agent_role import SGLangRole
@@ -74,17 +73,7 @@ async def cluster(mode: str) -> AsyncIterator[tuple[Gateway, list[SGLangStandIn]
 
 
 async def stream_ids(http: aiohttp.ClientSession, prompt: list[int]) -> list[int]:
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0.0}
-    text = ""
-    async with http.post("/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                chunk = json.loads(line[5:])
-                assert "error" not in chunk, chunk
-                text += chunk["choices"][0]["text"]
-    return list(text.encode())
+    return await greedy_stream_ids(http, prompt, seeded=False, max_tokens=MAX_TOKENS)
 
 
 @pytest.mark.parametrize(("mode", "peak"), [("lumen", ROOM), ("fixed_checkpoint", HELD)])
@@ -92,8 +81,7 @@ async def test_the_survivor_takes_the_boost_only_in_lumens_modes_and_every_strea
     mode: str, peak: int
 ) -> None:
     async with cluster(mode) as (gw, servers, http):
-        held = gw.held
-        assert held is not None
+        held = gw.levers.held
         recs = [gw.monitor.workers[f"s{i}"] for i in range(2)]
         assert [r.held_batch for r in recs] == [HELD, HELD]
         tasks = [asyncio.create_task(stream_ids(http, p)) for p in PROMPTS]

@@ -265,7 +265,7 @@ def test_the_holder_store_of_the_storage_config_is_read_from_the_launch_args() -
     ("args", "headroom", "out", "held"),
     [
         (["--max-running-requests", "64"], 1.5, ["--max-running-requests", "96"], 64),
-        (["--max-running-requests=5", "--tp", "2"], 1.5, ["--max-running-requests=8", "--tp", "2"], 5),
+        (["--max-running-requests=5", "--tp", "2"], 1.5, ["--tp", "2", "--max-running-requests", "8"], 5),
         (["--max-running-requests", "64"], 1.0, ["--max-running-requests", "64"], 0),  # no room: not held
         (["--tp", "2"], 1.5, ["--tp", "2"], 0),  # SGLang sizes its own batch: nothing to scale
     ],

@@ -19,7 +19,8 @@ from gateway.core.health import WorkerState
 from gateway.core.load import estimated_load
 from gateway.core.modes import policy_for
 from gateway.core.types import ClusterView, LoadParams, WorkerView
-from gateway.sim import coordinator, fastvalues, request
+from gateway.sim import fastvalues, request
+from gateway.sim import seen as seen_module
 from gateway.sim.result import RunResult
 from gateway.sim.runner import build_workload
 from gateway.sim.scenario import parse_scenario
@@ -38,7 +39,7 @@ def test_a_seen_worker_is_a_worker_view_changed_in_place() -> None:
     params = LoadParams()
     assert estimated_load(seen, params) == estimated_load(plain, params)  # the memo slot works
     seen.running = 1  # type: ignore[misc]
-    seen.load_memo = None  # type: ignore[misc]  # what Coordinator.view does after a change
+    seen.load_memo = None  # type: ignore[misc]  # what SeenCluster.view does after a change
     assert seen.running == 1
     assert estimated_load(seen, params) == estimated_load(dataclasses.replace(plain, running=1), params)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -74,14 +75,14 @@ def test_a_run_with_the_plain_values_is_identical(monkeypatch: pytest.MonkeyPatc
     """The same run when every decision reads a view made from scratch of plain WorkerViews (so its
     ranked tables are built afresh) and every record comes from RequestRecord's own constructor."""
     fast = _run("lumen")
-    in_place = coordinator.Coordinator.view
+    in_place = seen_module.SeenCluster.view
 
-    def scratch_view(self: coordinator.Coordinator) -> ClusterView:
+    def scratch_view(self: seen_module.SeenCluster) -> ClusterView:
         init = [f.name for f in dataclasses.fields(WorkerView) if f.init]
         seen = in_place(self).workers
         return ClusterView({wid: WorkerView(*(getattr(w, n) for n in init)) for wid, w in seen.items()})
 
-    monkeypatch.setattr(coordinator.Coordinator, "view", scratch_view)
+    monkeypatch.setattr(seen_module.SeenCluster, "view", scratch_view)
     monkeypatch.setattr(request, "request_record", RequestRecord)
     plain = _run("lumen")
     assert fast.records == plain.records

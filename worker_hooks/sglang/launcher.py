@@ -163,26 +163,8 @@ def with_headroom(args: Sequence[str], headroom: float) -> tuple[list[str], int]
     given = _flag_value(args, MAX_RUNNING)
     if not given or headroom <= 1:
         return list(args), 0
-    try:
-        base = int(given)
-    except ValueError:
-        raise LaunchError(f"{MAX_RUNNING} {given}: not an integer") from None
-    if base < 1:
-        raise LaunchError(f"{MAX_RUNNING} {given}: must be >= 1")
-    room = str(math.ceil(base * headroom))
-    out: list[str] = []
-    skip = False
-    for i, a in enumerate(args):
-        if skip:
-            skip = False
-        elif a == MAX_RUNNING:
-            out += [a, room]
-            skip = i + 1 < len(args)
-        elif a.startswith(MAX_RUNNING + "="):
-            out.append(f"{MAX_RUNNING}={room}")
-        else:
-            out.append(a)
-    return out, base
+    base = _positive_int(MAX_RUNNING, given)
+    return [*without_flags(args, [MAX_RUNNING]), MAX_RUNNING, str(math.ceil(base * headroom))], base
 
 
 def server_command(url: str, args: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
@@ -194,14 +176,18 @@ def tp_of(args: Sequence[str]) -> int:
     for flag in TP_FLAGS:
         given = _flag_value(args, flag)
         if given:
-            try:
-                tp = int(given)
-            except ValueError:
-                raise LaunchError(f"{flag} {given}: not an integer") from None
-            if tp < 1:
-                raise LaunchError(f"{flag} {given}: must be >= 1")
-            return tp
+            return _positive_int(flag, given)
     return 1
+
+
+def _positive_int(flag: str, given: str) -> int:
+    try:
+        value = int(given)
+    except ValueError:
+        raise LaunchError(f"{flag} {given}: not an integer") from None
+    if value < 1:
+        raise LaunchError(f"{flag} {given}: must be >= 1")
+    return value
 
 
 def lumen_storage_config(args: Sequence[str]) -> dict[str, object]:

@@ -47,9 +47,9 @@ class OutageLevers:
                 clock=clock,
                 # renewed on heartbeats: a lease must outlast a few of them
                 lease_s=max(BOOST_LEASE_S, 3 * heartbeat_interval_s),
+                held_waiting=self.held.waiting,
             )
             self.admission.boost_hooks.append(self._boosted)
-            self.admission.held_waiting = self.held.waiting
             control.heartbeat_hooks.append(lambda _rec, _beat: self.tick())
             monitor.on_state_change.append(lambda _ev: self.tick())
 

@@ -47,6 +47,7 @@ class OutageAdmission:
         params: OutageParams,
         clock: Callable[[], float],
         lease_s: float = BOOST_LEASE_S,
+        held_waiting: Callable[[str], int] = lambda _worker_id: 0,
     ) -> None:
         self.monitor = monitor
         self.control = control
@@ -63,7 +64,7 @@ class OutageAdmission:
         # draft-assist gate)
         self.boost_hooks: list[Callable[[float], None]] = []
         # requests the gateway itself holds for a worker (gateway/server/workers/held.py): backlog too
-        self.held_waiting: Callable[[str], int] = lambda _worker_id: 0
+        self.held_waiting = held_waiting
 
     def on_resume(self) -> None:
         """An interrupted request is being resumed: the cluster recovers from a failure."""

@@ -19,8 +19,10 @@ queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
+from collections.abc import AsyncIterator
 
 from gateway.core.health import ALIVE_STATES
 from gateway.core.outage import admission_limit
@@ -110,6 +112,24 @@ class HeldBatches:
             held = (rec.incarnation, SlotGate(self.limit(rec)))
             self._gates[rec.id] = held
         return held[1]
+
+    @contextlib.asynccontextmanager
+    async def slot(self, rec: WorkerRecord, rank: int) -> AsyncIterator[None]:
+        """A slot of `rec`'s held batch for one attempt (nothing to take where it is not held): waited
+        for in queue-rank order, counted meanwhile as the worker's load (its view's `pending`)."""
+        gate = self.gate(rec)
+        if gate is None:
+            yield
+            return
+        rec.inflight += 1
+        try:
+            await gate.acquire(rank)
+        finally:
+            rec.inflight -= 1
+        try:
+            yield
+        finally:
+            gate.release()
 
     def set_boost(self, boost: float) -> None:
         if boost == self.boost:

@@ -1,0 +1,105 @@
+"""The simulated gateway's view of its workers: one entry per worker, changed in place.
+
+The gateway's view is exact at each decision (no heartbeat lag), except that a dead worker keeps the
+load it had when it died, plus what was sent to it since, until the failure is detected. Workers
+report their changes (`SimWorker.mark_dirty`) and `view()` refreshes only those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.core.types import ClusterView, WorkerView
+from gateway.sim.fastvalues import SeenWorker
+from gateway.sim.worker import SimWorker
+
+
+class SeenCluster:
+    def __init__(self, workers: list[SimWorker]) -> None:
+        self.workers = workers
+        self._dirty: list[SimWorker] = []  # workers marked dirty since view() last ran
+        self._view = ClusterView()
+        self.refresh_all()
+
+    def refresh_all(self) -> None:
+        """Rebuild the view of every worker (each worker then reports its changes: `mark_dirty`)."""
+        self._dirty.clear()
+        for w in self.workers:
+            w.dirty_sink = self._dirty
+            w.dirty = False
+        seen = {w.id: self._view_of(w) for w in self.workers}
+        for w in self.workers:
+            w.seen = seen[w.id]
+        self._view = ClusterView(seen)
+
+    def _view_of(self, w: SimWorker) -> WorkerView:
+        """A new entry for w, as it is now (one per worker, changed in place from then on)."""
+        return SeenWorker(
+            w.id,
+            w.state,
+            w.incarnation,
+            w.running,
+            len(w.waiting),
+            w.kv_used,
+            w.kv_capacity,
+            w.ckpt_tokens,
+            w.ckpt_bytes,
+            w.ckpt_budget_bytes,
+            w.domain,
+            0,  # the simulated gateway sees every worker's queue at once: nothing is unreported
+        )
+
+    def view(self) -> ClusterView:
+        """The gateway's view: the previous one updated for the workers marked dirty since.
+
+        The coordinator is the view's sole owner (no decision keeps a view or one of its workers), so
+        it changes each dirty worker's entry (a `SeenWorker`) in place, then moves it in the policies'
+        ranked load tables, as `ClusterView.update_in_place` does (given the same entry as old and
+        new: the tables read a worker's old `L̂` from their own books, not from its old entry). A
+        decision costs O(changed workers), not O(workers), and no new WorkerView.
+        """
+        dirty = self._dirty
+        if not dirty:
+            return self._view
+        # (entry, entry) per changed worker: the derived tables' `update` (`Derived`), with each entry
+        # as its old and its new version (already in the view's mapping, changed in place)
+        changes: list[tuple[Any, Any]] = []  # SeenWorkers (mypy: a WorkerView's fields are read-only)
+        for w in dirty:
+            if not w.dirty:
+                continue  # refreshed since it was marked (freeze)
+            w.dirty = False
+            v: Any = w.seen
+            if w.alive:
+                v.running = w.running
+                v.waiting = len(w.waiting)
+                v.kv_tokens_used = w.kv_used
+                v.pending = 0
+            else:  # the gateway still sees the load it had when it died (`freeze`)
+                v.pending = len(w.lost) - w.lost_at_kill  # sent to it since it died
+            v.state = w.state
+            v.incarnation = w.incarnation
+            v.ckpt_tokens = w.ckpt_tokens
+            v.ckpt_bytes = w.ckpt_bytes
+            v.load_memo = None  # estimated_load's memo is of the old values
+            changes.append((v, v))
+        dirty.clear()
+        view = self._view
+        tables = view.derived
+        if changes and tables:  # ClusterView.update_in_place without its mapping's updates
+            dropped = None  # (a loop, not a comprehension: no frame of its own per refresh)
+            for key, table in tables.items():
+                if not table.update(changes):
+                    dropped = [key] if dropped is None else [*dropped, key]
+            if dropped is not None:
+                for key in dropped:
+                    del tables[key]
+        return view
+
+    def freeze(self, w: SimWorker) -> None:
+        """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
+        v: Any = w.seen
+        v.state, v.incarnation, v.running, v.waiting = w.state, w.incarnation, w.running, len(w.waiting)
+        v.kv_tokens_used, v.pending, v.ckpt_tokens, v.ckpt_bytes = w.kv_used, 0, w.ckpt_tokens, w.ckpt_bytes
+        v.load_memo = None
+        self._view.update_in_place((v,))
+        w.dirty = False
