@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
 
 def free_port(n: int = 1) -> int:
@@ -32,6 +35,14 @@ def _free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def _pump(stream: IO[str], lines: queue.Queue[str]) -> None:
+    """Every line of `stream` into `lines`, then "" (its end, or its closing by `stop`)."""
+    with contextlib.suppress(ValueError, OSError):
+        for line in stream:
+            lines.put(line)
+    lines.put("")
 
 
 class ClusterProcess:
@@ -95,21 +106,33 @@ class ClusterProcess:
         )
         deadline = time.monotonic() + self.ready_timeout_s
         assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+        # the child's stdout is read on a thread, so the deadline holds while it prints nothing
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_pump, args=(self.proc.stdout, lines), daemon=True).start()
+        while self.ready.get("event") is None:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
             if not line:
                 break
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if msg.get("event") in ("ready", "degraded"):
-                self.ready = msg
-                break
+            self._take(line)
         if self.ready.get("event") != "ready":
             self.stop()
-            raise RuntimeError(f"cluster did not become ready: {self.ready}; stderr: {self.stderr_tail()}")
+            raise RuntimeError(
+                f"cluster did not become ready in {self.ready_timeout_s:g} s: {self.ready}; "
+                f"stderr: {self.stderr_tail()}"
+            )
         return self
+
+    def _take(self, line: str) -> None:
+        """Keep the ready (or degraded) line of `lumen cluster up`; other lines are not ours."""
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        if isinstance(msg, dict) and msg.get("event") in ("ready", "degraded"):
+            self.ready = msg
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None

@@ -37,6 +37,8 @@ from loadtests.sidebyside.drive import build_schedule, run_mode
 from loadtests.sidebyside.report import first_fault_at, fmt, summarize, write_report
 from loadtests.sidebyside.workload import DEFAULT_RATE, LoadError, build_load
 
+DRAIN_S = 300.0  # --drain-s: well past any recovery a local cluster goes through (model loads of ~20 s)
+
 SUMMARY_KEYS = (
     "ttft_mean_s",
     "tpot_mean_s",
@@ -99,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-load-s", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=1, help="workload, and the draws of `random` fault targets")
     ap.add_argument("--poll", type=float, default=0.5, help="seconds between /admin/workers polls")
+    ap.add_argument(
+        "--drain-s",
+        type=float,
+        default=DRAIN_S,
+        help="seconds after the last arrival that a request may still take; one still open then is "
+        "cancelled, counted as an error and listed, and the run exits 1",
+    )
     ap.add_argument("--baseline-per-mode", action="store_true", help="a no-failure run for every mode")
     ap.add_argument("--out", default="out/sidebyside")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -114,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             args.rate = min(DEFAULT_RATE if args.rate is None else args.rate, 3.5 * args.workers)
     if not args.poll > 0:
         ap.error(f"--poll must be > 0, got {args.poll}")
+    if not args.drain_s > 0:
+        ap.error(f"--drain-s must be > 0, got {args.drain_s}")
     try:
         schedule = build_schedule(args.fault, args.victims, args.kill_at, args.workers, sc, args.seed)
     except FaultSpecError as exc:
@@ -143,15 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     series: dict[str, list[ev.RequestRecord]] = {}
     timelines: dict[str, dict[str, Any]] = {}
     shared_base: list[ev.RequestRecord] | None = None
+    unanswered: dict[str, list[str]] = {}  # run -> its requests still open at --drain-s
     for mode in modes:
         if args.baseline_per_mode or shared_base is None:
             name = f"no failure ({mode})"
             base, base_info = run_mode(mode, args, shapes, FaultSchedule(), out / "logs" / f"{mode}-base")
             shared_base = base
             series[name] = base
+            if base_info["unanswered"]:
+                unanswered[name] = base_info["unanswered"]
             timelines[name] = {"queue": base_info["queue"], "faults": []}
         failed, info = run_mode(mode, args, shapes, schedule, out / "logs" / mode)
         series[mode] = failed
+        if info["unanswered"]:
+            unanswered[mode] = info["unanswered"]
         failure_at = first_fault_at(info["faults"], schedule)
         row = summarize(failed, shared_base, failure_at)
         row.update(
@@ -179,11 +195,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode}: " + ", ".join(f"{k}={fmt(row[k])}" for k in (*SUMMARY_KEYS, "client_errors")),
             flush=True,
         )
+    summary["unanswered"] = unanswered
     summary["simulated_s"] = None
     summary["wall_s"] = time.monotonic() - t_start
     write_report(out, summary, series, float(schedule.first_at or args.kill_at), timelines)
     print((out / "summary.md").read_text())
-    return 0
+    for name, ids in unanswered.items():
+        sys.stderr.write(f"[{name}] {len(ids)} request(s) got no answer (logs: {out / 'logs'}): {ids}\n")
+    return 1 if unanswered else 0
 
 
 if __name__ == "__main__":

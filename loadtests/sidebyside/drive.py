@@ -83,10 +83,13 @@ async def _drive(
     schedule: FaultSchedule,
     seed: int,
     poll_s: float,
+    drain_s: float,
 ) -> dict[str, Any]:
     """The load, spread over the cluster's gateways (round robin); a client whose gateway dies resumes
-    its stream on the next one (Last-Event-ID)."""
-    info: dict[str, Any] = {"queue": []}
+    its stream on the next one (Last-Event-ID). A request with no answer `drain_s` after the last
+    arrival is cancelled and counted as an error (`info["unanswered"]`: their ids): a stuck stream is
+    a finding, not a reason to wait forever."""
+    info: dict[str, Any] = {"queue": [], "unanswered": []}
     url = urls[0]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         t0 = time.monotonic()
@@ -113,7 +116,21 @@ async def _drive(
         if schedule:
             # undos still pending when the load ends are dropped: the cluster stops with the run
             side.append(asyncio.create_task(faults.run()))
-        await asyncio.gather(*tasks)
+        last_at = max((s.at for s in shapes), default=0.0)
+        deadline = last_at + drain_s - (time.monotonic() - t0)
+        _done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline)) if tasks else (set(), set())
+        if pending:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            stuck = [r for r in results if not (r.finish_reason or r.error)]
+            for r in stuck:
+                r.error = f"no answer {drain_s:g} s after the last arrival"
+            # request index, the gateway's id once it answered, and the tokens it had streamed
+            info["unanswered"] = [f"#{r.idx} {r.rid or '(no id)'} {len(r.chunk_times)} chunks" for r in stuck]
+            sys.stderr.write(
+                f"\n  {len(stuck)} request(s) unanswered after --drain-s: {info['unanswered']}\n"
+            )
         for t in side:
             t.cancel()
         await asyncio.gather(*side, return_exceptions=True)
@@ -175,7 +192,7 @@ def run_mode(
         workers=args.workers, mode=mode, overrides=overrides, log_dir=log_dir, gateways=gateways
     ) as c:
         urls = list(c.ready.get("urls") or [c.url])
-        info = asyncio.run(_drive(urls, shapes, results, schedule, args.seed, args.poll))
+        info = asyncio.run(_drive(urls, shapes, results, schedule, args.seed, args.poll, args.drain_s))
     interrupted = {i["rid"] for i in info["sessions"]["interrupted"]}
     records = _records(results, info["t0"], interrupted)
     info["restores"] = sum(1 for i in info["sessions"]["interrupted"] if i.get("restored_tokens"))

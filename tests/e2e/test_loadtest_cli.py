@@ -24,6 +24,20 @@ SIM_KEYS = {
 }
 
 
+TIMEOUT_S = 200  # the short case takes ~20 s here, two clusters started, a worker killed, and stopped
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _logs(out: Path, n: int = 1500) -> str:
+    """The tail of every log the run's clusters wrote (what a failure is read from)."""
+    tails = [f"\n--- {p}:\n{p.read_text(errors='replace')[-n:]}" for p in sorted(out.glob("logs/*/*.log"))]
+    return "".join(tails)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize(
     ("modes", "run"),
     [
@@ -48,9 +62,13 @@ def test_loadtest_writes_the_sim_contract(tmp_path: Path, modes: str, run: list[
     if "T" in run:  # a generated trace at 6 req/s (--rate on a trace sets its speedup)
         run = [str(write_trace(tmp_path / "t.csv", n=60, rate=3.0)) if a == "T" else a for a in run]
     cmd += ["--modes", modes, "--rate", "6", *run]
-    cmd += ["--max-running", "8", "--set", "engine.page_size=16", "--poll", "0.5"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # a stuck stream ends the run (exit 1, listed) 40 s after the last arrival, inside pytest's timeout
+    cmd += ["--max-running", "8", "--set", "engine.page_size=16", "--poll", "0.5", "--drain-s", "40"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S - 10)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"loadtest ran past {exc.timeout} s; stderr: {_text(exc.stderr)[-3000:]}{_logs(out)}")
+    assert proc.returncode == 0, proc.stderr[-3000:] + _logs(out)
     summary = json.loads((out / "summary.json").read_text())
     assert {"workers", "simulated_s", "wall_s", "seed"} <= set(summary)
     assert set(summary["modes"]) == set(modes.split(","))
