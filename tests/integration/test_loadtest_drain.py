@@ -28,7 +28,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     if body["max_tokens"] == 5:  # the stuck one: its headers went out, no event ever follows
         await asyncio.Event().wait()
-    chunk = {"id": "cmpl-ok", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+    chunk: dict[str, object] = {
+        "id": "cmpl-ok",
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+    }
     await resp.write(_event(chunk))
     await resp.write(b"data: [DONE]\n\n")
     return resp
