@@ -3,51 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
+from gateway.cli import common
 from gateway.cli.admin import cmd_cluster_kill, cmd_cluster_status
-from gateway.core.modes import MODES
+from gateway.cli.cluster import cmd_cluster_up
+from gateway.cli.common import config_args, load_config_args
 from gateway.protocol.faults import FAULT_MODES
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import Backend
-
-
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML config (default: configs/default.toml)")
-    p.add_argument("--mode", choices=list(MODES), help="recovery mode or ablation")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set recovery.theta=1.5 (value parsed as TOML)",
-    )
-
-
-def _load(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
-    from gateway.config import ConfigError, load_config, parse_set
-
-    overrides: dict[str, Any] = dict(extra)
-    if getattr(args, "mode", None):
-        overrides["recovery.mode"] = args.mode
-    try:
-        overrides.update(parse_set(args.set))
-        return load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"lumen: invalid configuration: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
-
-
-def _run(coro: Any) -> None:
-    import uvloop
-
-    try:
-        uvloop.run(coro)
-    except KeyboardInterrupt:
-        pass
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -63,99 +29,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         extra["sglang.workers"] = [{"url": u} for u in args.sglang_url]
     if args.insecure:
         extra["gateway.control_insecure"] = True
-    cfg = _load(args, extra)
+    cfg = load_config_args(args, extra)
     configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
-    _run(run_gateway(cfg))
+    common.run_async(run_gateway(cfg))
     return 0
-
-
-def cmd_cluster_up(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from gateway.cluster.fleet_run import run_fleet
-    from gateway.server.logs import configure_logging
-
-    extra: dict[str, Any] = {"gateway.port": args.port, "gateway.control_port": 0}
-    if args.workers is not None:
-        extra["cluster.workers"] = args.workers
-    if args.backend:
-        extra["engine.backend"] = args.backend
-    if args.time_scale is not None:
-        extra["engine.time_scale"] = args.time_scale
-    sglang = None
-    if args.engine == "sglang":
-        sglang = _sglang_launch(args)
-        extra["gateway.served_model_name"] = args.model  # SGLang's own default name
-        if (Path(args.model) / "tokenizer.json").is_file():
-            extra["tokenizer.kind"] = "hf"
-            extra["tokenizer.path"] = str(Path(args.model) / "tokenizer.json")
-    elif args.tail or args.model or args.tp is not None:
-        raise _usage("--model, --tp and arguments after -- are for --engine sglang")
-    cfg = _load(args, extra)
-    configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
-    log_dir = Path(args.log_dir) if args.log_dir else None
-    if args.gateways < 1:
-        raise _usage("--gateways must be at least 1")
-    # the gateways load the configuration as this command did (their ports are the supervisor's)
-    config_args = [
-        *(["--config", args.config] if args.config else []),
-        *(["--mode", args.mode] if args.mode else []),
-    ]
-    for item in args.set:
-        config_args += ["--set", item]
-    for key, value in extra.items():
-        if key not in ("gateway.port", "gateway.control_port"):
-            config_args += ["--set", f"{key}={json.dumps(value)}"]
-    _run(
-        run_fleet(
-            cfg,
-            config_args,
-            gateways=args.gateways,
-            shared_port=args.shared_port,
-            log_dir=log_dir,
-            sglang=sglang,
-        )
-    )
-    return 0
-
-
-SGLANG_MISSING = (
-    "lumen: sglang is not installed. `lumen cluster up --engine sglang` runs SGLang servers "
-    "(sglang 0.5.23), which need CUDA GPUs: pip install 'lumen[sglang]' (see docs/sglang.md)."
-)
-
-
-def _sglang_launch(args: argparse.Namespace) -> Any:
-    """What to launch for `--engine sglang`, or SystemExit(2) with the reason (sglang missing, no GPUs)."""
-    import importlib.util
-
-    from gateway.cluster.sglang import SGLangLaunch, gpu_groups, visible_gpus
-
-    if not args.model:
-        raise _usage("--engine sglang needs --model PATH (a HuggingFace folder or hub id)")
-    # the testing hook: another launcher (a stand-in) in place of `python -m sglang.launch_server`
-    stand_in = bool(os.environ.get("LUMEN_SGLANG_LAUNCHER", "").strip())
-    if not stand_in and importlib.util.find_spec("sglang") is None:  # looked up, never imported
-        print(SGLANG_MISSING, file=sys.stderr)
-        raise SystemExit(2)
-    tp = 1 if args.tp is None else args.tp
-    gpus = visible_gpus(os.environ) or None
-    if gpus is None and not stand_in:
-        print("lumen: --engine sglang needs CUDA GPUs, and none is visible (nvidia-smi, CUDA_VISIBLE_DEVICES)",
-              file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
-    if gpus is not None:
-        try:
-            gpu_groups(gpus, tp, args.workers)
-        except ValueError as exc:
-            print(f"lumen: {exc}", file=sys.stderr)
-            raise SystemExit(2) from exc
-    return SGLangLaunch(model=args.model, tp=tp, workers=args.workers, extra=tuple(args.tail), gpus=gpus)
-
-
-def _usage(message: str) -> SystemExit:
-    print(f"lumen cluster up: {message}", file=sys.stderr)
-    return SystemExit(2)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -241,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
 
     p = sub.add_parser("gateway", help="run the gateway (workers attach to its control plane)")
-    _config_args(p)
+    config_args(p)
     p.add_argument("--port", type=int)
     p.add_argument("--control-port", type=int)
     p.add_argument(
@@ -297,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("cluster", help="a local cluster: gateway + N worker processes")
     csub = cl.add_subparsers(dest="cluster_cmd", metavar="ACTION")
     p = csub.add_parser("up", help="start and supervise; runs until SIGINT/SIGTERM")
-    _config_args(p)
+    config_args(p)
     p.add_argument("--workers", type=int)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -342,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cluster_status)
 
     p = sub.add_parser("demo", help="local cluster + load + a worker killed mid-load; shows the recovery")
-    _config_args(p)
+    config_args(p)
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rate", type=float, default=16.0, help="requests per second (Poisson)")

@@ -443,6 +443,7 @@ def check_gateway_cli(c: Container, argv: list[str], monkeypatch: pytest.MonkeyP
     """Run `lumen gateway|cluster up ARGS` through gateway.cli.main up to the loaded, validated config
     (the server itself is not started)."""
     import gateway.cli as cli
+    import gateway.cli.common as cli_common
     import gateway.cluster.fleet_run as fleet_run
     import gateway.server.logs as logs
     import gateway.server.runner as runner
@@ -488,7 +489,7 @@ def check_gateway_cli(c: Container, argv: list[str], monkeypatch: pytest.MonkeyP
     for e in c.env:
         monkeypatch.setenv(e["name"], c.env_value(e))
     started: list[Any] = []
-    monkeypatch.setattr(cli, "_run", lambda coro: started.append(coro))
+    monkeypatch.setattr(cli_common, "run_async", lambda coro: started.append(coro))
     monkeypatch.setattr(runner, "run_gateway", lambda cfg: cfg)
     monkeypatch.setattr(fleet_run, "run_fleet", lambda cfg, *a, **kw: cfg)
     monkeypatch.setattr(logs, "configure_logging", lambda *a, **kw: None)
