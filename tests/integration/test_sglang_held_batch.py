@@ -29,7 +29,9 @@ MAX_TOKENS = 60  # 1.2 s of decoding at 20 ms per token
 
 
 @contextlib.asynccontextmanager
-async def cluster(mode: str) -> AsyncIterator[tuple[Gateway, list[SGLangStandIn], aiohttp.ClientSession]]:
+async def cluster(
+    mode: str, n: int = 2, held: int = HELD, room: int = ROOM
+) -> AsyncIterator[tuple[Gateway, list[SGLangStandIn], aiohttp.ClientSession]]:
     cfg = load_config(
         overrides={
             "gateway.port": 0,
@@ -48,8 +50,8 @@ async def cluster(mode: str) -> AsyncIterator[tuple[Gateway, list[SGLangStandIn]
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(gw.stop)
         servers = []
-        for i in range(2):
-            s = await start_standin(token_delay_ms=20, max_running_requests=ROOM)
+        for i in range(n):
+            s = await start_standin(token_delay_ms=20, max_running_requests=room)
             stack.push_async_callback(s.stop)
             servers.append(s)
             sc = Sidecar(
@@ -60,13 +62,13 @@ async def cluster(mode: str) -> AsyncIterator[tuple[Gateway, list[SGLangStandIn]
                     poll_interval_s=0.02,
                     poll_misses=50,  # a busy box can starve the agent's /ready polls for 200 ms
                     token=TOKEN,
-                    held_batch=HELD,
+                    held_batch=held,
                 )
             )
             await sc.start()
             stack.push_async_callback(sc.stop, 5.0)
         async with asyncio.timeout(15):
-            while gw.monitor.healthy_count() < 2:
+            while gw.monitor.healthy_count() < n:
                 await asyncio.sleep(0.01)
         http = await stack.enter_async_context(aiohttp.ClientSession(f"http://127.0.0.1:{gw.http_port}"))
         yield gw, servers, http
@@ -113,6 +115,55 @@ async def test_the_survivor_takes_the_boost_only_in_lumens_modes_and_every_strea
         victim_id = next(r.id for r in recs if r.http_url == victim.url)
         assert any(e.worker_id == victim_id and e.dst is WorkerState.FAILED for e in gw.monitor.events)
         assert survivor.stats()["refused"] == []
+
+
+@pytest.mark.slow
+async def test_under_load_with_clients_leaving_no_slot_leaks_and_no_server_runs_past_its_limit() -> None:
+    """The gate under load: 48 streams of mixed lengths on three servers held to 4 (room 6), a quarter of
+    the clients leaving mid-stream or while they wait, the busiest server killed. Every finished stream
+    is exact; no survivor ever ran more than the boosted limit (floor(4 x 1.5) = 6) nor, before the
+    kill, more than 4; and afterwards every gate is empty: no slot was leaked by a client that left,
+    by a stream that moved, or by the dead server's waiters."""
+    held, room = 4, 6
+    prompts = [list(b"Load on held servers, request %d." % i) for i in range(48)]
+    lengths = [20 + 7 * (i % 9) for i in range(48)]
+    async with cluster("lumen", n=3, held=held, room=room) as (gw, servers, http):
+        gates = gw.levers.held
+
+        async def one(i: int) -> list[int]:
+            return await greedy_stream_ids(http, prompts[i], seeded=False, max_tokens=lengths[i])
+
+        tasks = [asyncio.create_task(one(i)) for i in range(48)]
+        async with asyncio.timeout(10):  # every server at its held batch, the rest waiting at the gateway
+            while sum(gates.waiting(f"s{i}") for i in range(3)) < 48 - 3 * held or any(
+                len(s.engine.running) < held for s in servers
+            ):
+                await asyncio.sleep(0.01)
+        assert max(s.stats()["peak_running"] for s in servers) == held
+        leaving = tasks[::4]  # some running, some still waiting for a slot
+        for t in leaving:
+            t.cancel()
+        victim = max(servers, key=lambda s: len(s.engine.running))
+        survivors = [s for s in servers if s is not victim]
+        await victim.kill()
+        staying = [(i, t) for i, t in enumerate(tasks) if t not in leaving]
+        got = await asyncio.wait_for(asyncio.gather(*(t for _i, t in staying)), 120.0)
+        for (i, _t), ids in zip(staying, got, strict=True):
+            assert ids == expected_ids(prompts[i], lengths[i], 0.0), i
+        await asyncio.gather(*leaving, return_exceptions=True)
+        assert all(s.stats()["peak_running"] <= room for s in survivors)
+        assert all(s.stats()["refused"] == [] for s in survivors)
+        kept = [r for r in gw.monitor.workers.values() if r.http_url != victim.url]
+
+        def slots_taken() -> int:
+            return sum(gate.running for gate in map(gates.gate, kept) if gate is not None)
+
+        async with asyncio.timeout(20):  # the gateway sees every leaver's stream end
+            while slots_taken():
+                await asyncio.sleep(0.05)
+        for s in survivors:
+            assert not s.engine.running and not s.engine.waiting
+        assert all(gates.waiting(w) == 0 for w in gw.monitor.workers)
 
 
 @pytest.mark.parametrize(("gateways", "share"), [(1, 8), (2, 4), (3, 2), (16, 1)])
