@@ -85,6 +85,7 @@ async def test_second_failure_during_replay(cluster_factory) -> None:
     assert twice, "some request should have been interrupted by both failures"
 
 
+@pytest.mark.slow  # in-process: test_openai_api.py's no_healthy_worker case
 async def test_all_workers_dead_gives_a_clear_error_not_a_hang(cluster_factory) -> None:
     c = cluster_factory(
         workers=2, mode="stop_restart", **{"cluster.restart_killed": False, "recovery.no_worker_wait_s": 1.0}
@@ -108,6 +109,7 @@ async def test_all_workers_dead_gives_a_clear_error_not_a_hang(cluster_factory) 
             assert (await resp.json())["error"]["code"] == "no_healthy_worker"
 
 
+@pytest.mark.slow  # the default run keeps the recovering modes' real-process kills
 async def test_mode_none_surfaces_the_failure(cluster_factory) -> None:
     c = cluster_factory(workers=3, mode="none")
     reqs = make_requests(30, seed=15)

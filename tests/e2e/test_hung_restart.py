@@ -3,6 +3,8 @@ local supervisor kills it after `cluster.hung_restart_grace_s` and restarts it a
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.conftest import admin, wait_for
 
 
@@ -34,6 +36,7 @@ async def test_a_hung_worker_is_killed_and_restarted_without_manual_action(clust
     )
 
 
+@pytest.mark.slow  # in-process: tests/integration/test_hung_supervisor.py
 async def test_a_hung_worker_resumed_within_the_grace_is_not_killed(cluster_factory) -> None:
     """The zombie wakes before the grace is over: it resets and re-attaches in the same process."""
     c = cluster_factory(workers=2, mode="stop_restart", **{"cluster.hung_restart_grace_s": 30.0})
