@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
+from gateway.protocol import control_pb2 as pb
 from gateway.server.workers.client import WorkerLost
-from gateway.server.workers.held import SlotGate
+from gateway.server.workers.held import HeldBatches, SlotGate
+from gateway.server.workers.monitor import LoadMonitor
 
 
 async def holders(gate: SlotGate, priorities: list[int], order: list[int]) -> list[asyncio.Task[None]]:
@@ -99,3 +101,57 @@ async def test_a_slot_granted_as_its_waiter_is_cancelled_passes_on() -> None:
     await asyncio.gather(waiter, return_exceptions=True)
     await asyncio.wait_for(nxt, 1.0)  # the slot went on to the next
     assert gate.running == 1
+
+
+async def test_a_handed_over_gate_counts_the_old_holders_until_they_release() -> None:
+    old, order = SlotGate(2), []
+    before = await holders(old, [1, 2], order)
+    old.fail("replaced")  # a false failure: the server kept running both streams
+    new = SlotGate(2)
+    old.hand_over(new)
+    after = await holders(new, [3, 4], order)
+    assert order == [1, 2] and new.running == 2 and new.waiting == 2  # the server's batch is still full
+    await drain([before[0]])  # one old stream ends (its abort landed): one new request goes in
+    await asyncio.sleep(0)
+    assert order == [1, 2, 3] and new.running == 2
+    await drain([before[1]])
+    await asyncio.sleep(0)
+    assert order == [1, 2, 3, 4] and old.running == 0 and new.running == 2
+    await drain(after)
+    assert new.running == 0
+
+
+def _sglang_hello(incarnation: int) -> pb.Hello:
+    return pb.Hello(
+        protocol_version=1,
+        worker_id="s0",
+        incarnation=incarnation,
+        http_url="http://s0",
+        phase=pb.SERVING,
+        engine="sglang",
+        max_running_requests=3,
+        held_batch=2,
+    )
+
+
+async def test_a_new_incarnation_of_a_held_server_admits_only_what_the_old_one_left_free() -> None:
+    """The gate per incarnation, through the monitor: the old incarnation fails with two streams still
+    on the server (a false failure), the worker attaches again, and its new gate admits nobody until
+    those two end, so the server never runs more than its held batch."""
+    monitor = LoadMonitor(clock=lambda: 0.0, heartbeat_interval_s=0.05, heartbeat_misses=4)
+    held, order = HeldBatches(monitor), []
+    first = monitor.attach(_sglang_hello(10))
+    gate = held.gate(first)
+    assert gate is not None and gate.limit == 2
+    old = await holders(gate, [1, 2], order)
+    monitor.report_data_failure("s0", 10, "stream broke")  # FAILED: the gate fails its waiters
+    second = monitor.attach(_sglang_hello(11))
+    new_gate = held.gate(second)
+    assert new_gate is not None and new_gate is not gate and new_gate.running == 2
+    new = await holders(new_gate, [3], order)
+    assert order == [1, 2] and new_gate.waiting == 1
+    await drain(old)
+    await asyncio.sleep(0)
+    assert order == [1, 2, 3] and new_gate.running == 1
+    await drain(new)
+    assert new_gate.running == 0

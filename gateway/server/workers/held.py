@@ -13,7 +13,10 @@ queue_priority`: resumed first, FIFO, aged shortest-prefill-first while recoveri
 the worker's `inflight` meanwhile, so routing sees them as the worker's load (its view's `pending`)
 just as the simulator sees a worker's queue. A worker that fails or leaves ends its waiters with
 `WorkerLost` (they resume elsewhere; nothing was sent); a waiter whose client leaves just leaves the
-queue.
+queue. Its holders keep counting against the server: when the same worker comes back as a new
+incarnation (a relaunch, or a false failure that left the server running until the gateway's aborts
+land), the old gate hands its taken slots to the new one, which admits only what the server's batch
+has left until those streams end.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SlotGate:
         self._queue: list[tuple[int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self._failed: str | None = None
+        self._successor: SlotGate | None = None  # where this gate's releases go once handed over
 
     @property
     def waiting(self) -> int:
@@ -68,7 +72,16 @@ class SlotGate:
 
     def release(self) -> None:
         self.running -= 1
-        self._wake()
+        if self._successor is not None:  # a slot of the server's batch, which the successor now keeps
+            self._successor.release()
+        else:
+            self._wake()
+
+    def hand_over(self, successor: SlotGate) -> None:
+        """The same server is held by `successor` from now on (a new incarnation): this gate's taken
+        slots count against the successor's limit until their holders release them."""
+        successor.running += self.running
+        self._successor = successor
 
     def fail(self, reason: str) -> None:
         """The worker is gone: every waiter raises WorkerLost(reason), and so does any later acquire."""
@@ -93,6 +106,7 @@ class HeldBatches:
         self.monitor = monitor
         self.boost = 1.0
         self._gates: dict[str, tuple[int, SlotGate]] = {}  # worker -> (incarnation, gate)
+        self._retired: dict[str, SlotGate] = {}  # a failed incarnation's gate with slots still taken
         monitor.on_state_change.append(self._on_state_change)
 
     def limit(self, rec: WorkerRecord) -> int:
@@ -107,9 +121,14 @@ class HeldBatches:
             return None
         held = self._gates.get(rec.id)
         if held is None or held[0] != rec.incarnation:
+            gate = SlotGate(self.limit(rec))
+            old = held[1] if held is not None else self._retired.get(rec.id)
+            self._retired.pop(rec.id, None)
             if held is not None:
                 held[1].fail(f"worker {rec.id} incarnation {held[0]} was replaced")
-            held = (rec.incarnation, SlotGate(self.limit(rec)))
+            if old is not None and old.running > 0:
+                old.hand_over(gate)
+            held = (rec.incarnation, gate)
             self._gates[rec.id] = held
         return held[1]
 
@@ -150,3 +169,5 @@ class HeldBatches:
             return
         del self._gates[ev.worker_id]
         held[1].fail(f"worker {ev.worker_id} is {ev.dst.value.lower()}: {ev.reason}")
+        if held[1].running > 0:  # its streams still end (or are aborted) on the server: hand them over
+            self._retired[ev.worker_id] = held[1]
