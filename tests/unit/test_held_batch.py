@@ -155,3 +155,15 @@ async def test_a_new_incarnation_of_a_held_server_admits_only_what_the_old_one_l
     assert order == [1, 2, 3] and new_gate.running == 1
     await drain(new)
     assert new_gate.running == 0
+
+
+async def test_a_record_of_a_replaced_incarnation_gets_no_slot_and_leaves_the_new_gate_alone() -> None:
+    monitor = LoadMonitor(clock=lambda: 0.0, heartbeat_interval_s=0.05, heartbeat_misses=4)
+    held = HeldBatches(monitor)
+    stale = monitor.attach(_sglang_hello(10))
+    fresh = monitor.attach(_sglang_hello(11))  # the same server, attached again
+    gate = held.gate(fresh)
+    with pytest.raises(WorkerLost, match="incarnation 10 was replaced by 11"):
+        async with held.slot(stale, 0):
+            pass
+    assert held.gate(fresh) is gate and gate.running == 0 and stale.inflight == 0

@@ -116,10 +116,14 @@ class HeldBatches:
         return min(limit, admits) if admits > 0 else limit
 
     def gate(self, rec: WorkerRecord) -> SlotGate | None:
-        """The gate of `rec`'s incarnation (made on first use), or None: the gateway holds nothing."""
+        """The gate of `rec`'s incarnation (made on first use), or None: the gateway holds nothing.
+        Raises WorkerLost for a record of an incarnation older than the gate's (the attempt resumes
+        elsewhere; a newer incarnation's gate is never replaced by an older one's)."""
         if rec.held_batch <= 0 or rec.engine is not EngineKind.SGLANG:
             return None
         held = self._gates.get(rec.id)
+        if held is not None and rec.incarnation < held[0]:  # an attempt still holding a replaced record
+            raise WorkerLost(f"worker {rec.id} incarnation {rec.incarnation} was replaced by {held[0]}")
         if held is None or held[0] != rec.incarnation:
             gate = SlotGate(self.limit(rec))
             old = held[1] if held is not None else self._retired.get(rec.id)
