@@ -52,7 +52,8 @@ from worker_hooks.sglang.plugin_logic import (
     parent_key,
     token_slice,
 )
-from worker_hooks.sglang.plugin_shipper import PageRun, ShipJob, Shipper
+from worker_hooks.sglang.plugin_shipper import Shipper
+from worker_hooks.sglang.ship_jobs import PageRun, ShipJob
 
 REPO = Path(__file__).resolve().parents[2]
 PS = 16

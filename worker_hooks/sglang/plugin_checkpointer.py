@@ -43,7 +43,8 @@ from worker_hooks.sglang.plugin_logic import (
     token_slice,
 )
 from worker_hooks.sglang.plugin_reader import KvReader, Unsupported
-from worker_hooks.sglang.plugin_shipper import PageRun, ShipJob, Shipper
+from worker_hooks.sglang.plugin_shipper import Shipper
+from worker_hooks.sglang.ship_jobs import PageRun, ShipJob
 from worker_hooks.sglang.staging import Staging
 
 log = structlog.get_logger("lumen.sglang.plugin")

@@ -36,38 +36,16 @@ import zmq.asyncio
 
 from gateway.protocol.plane_file import Keyring
 from worker_hooks.kv.sender import CheckpointSender
-from worker_hooks.sglang.plugin_logic import Control, ControlKind, Copy, PluginOptions, parent_key
+from worker_hooks.sglang.plugin_logic import Control, ControlKind, PluginOptions, parent_key
+from worker_hooks.sglang.ship_jobs import PageRun, ShipJob
 from worker_hooks.sglang.staging import Staging
 
 log = structlog.get_logger("lumen.sglang.plugin")
 
 START_TIMEOUT_S: Final = 10.0
-POLL_S: Final = 0.0002  # how often a pending device→host copy is polled
 WATCH_BUSY_S: Final = 0.001  # how often the holders' queues are read while any holds bytes
 WATCH_IDLE_S: Final = 0.01
 MAX_SENDERS: Final = 8  # (worker, epoch) pairs kept open; the least recently used beyond are closed
-
-
-@dataclass(frozen=True, slots=True)
-class PageRun:
-    """One `Copy`'s pages as the KV plane sends them: ids, and where its bytes sit in the job's buffer
-    (its staging reservation is `copy.offset`, released once the bytes are taken)."""
-
-    copy: Copy
-    token_ids: list[int]  # ids of pages [first_page, first_page + n_pages)
-    prefix_ids: list[int] | None  # ids of pages [0, first_page) when the run starts the chain there
-    offset: int  # byte offset in `ShipJob.data()`
-
-
-@dataclass(slots=True, eq=False)
-class ShipJob:
-    """One step's copies: the host bytes a device→host copy is filling, and the runs they hold."""
-
-    runs: list[PageRun]
-    ready: Callable[[], bool]  # the device→host copy has completed
-    data: Callable[[], memoryview]  # the host bytes (flat), read once `ready`
-    dtype: str = "uint8"
-    shape: list[int] | None = None  # one page's layout, informative
 
 
 @dataclass(slots=True)
@@ -227,7 +205,7 @@ class Shipper:
                     if item is not None and isinstance(item, ShipJob):
                         self._discard(item)
                     break
-                if isinstance(item, ShipJob) and not _safe_ready(item):
+                if isinstance(item, ShipJob) and not item.copied():
                     self._discard(item)
                     continue
                 try:
@@ -268,7 +246,7 @@ class Shipper:
                 continue
             try:
                 if isinstance(item, ShipJob):
-                    await _until_ready(item)
+                    await item.until_copied()
                 self._take(item)
             except asyncio.CancelledError:
                 if isinstance(item, ShipJob):
@@ -409,19 +387,4 @@ class Shipper:
         for sender in list(self._senders.values()):
             if not await sender.flush(max(0.0, deadline - self._clock())):
                 return False
-        return True
-
-
-async def _until_ready(job: ShipJob) -> None:
-    """Poll the job's device→host copy (a CUDA event has nothing to await on)."""
-    while True:
-        if _safe_ready(job):
-            return
-        await asyncio.sleep(POLL_S)
-
-
-def _safe_ready(job: ShipJob) -> bool:
-    try:
-        return job.ready()
-    except Exception:  # a failed copy: `data` will fail too and the job is dropped
         return True
