@@ -54,6 +54,7 @@ class EngineRole:
         self.siblings: list[ControlClient] = []
         # whose grants (SetAdmission) are this session's: the gateway's address (Agent sets it)
         self.source = ""
+        self._reported: object = None  # the reload report this gateway was sent
 
     @property
     def worker_id(self) -> str:
@@ -80,6 +81,8 @@ class EngineRole:
             max_running_requests=spec.max_running_requests,
             phase=pb.Phase.Value(engine.phase.value),
             plane_key=engine.planes.keys.public,
+            tp=engine.cost.tp,
+            awaiting_seed=engine.seeding.awaiting,
         )
 
     def heartbeat(self, seq: int, *, full: bool) -> pb.Heartbeat:
@@ -88,7 +91,7 @@ class EngineRole:
         ckpt = self.engine.ckpt
         c = ckpt.stats()
         d = self.engine.assist.totals()
-        return pb.Heartbeat(
+        hb = pb.Heartbeat(
             seq=seq,
             phase=pb.Phase.Value(s.phase.value),
             running=s.running,
@@ -105,7 +108,13 @@ class EngineRole:
             restores_total=c.restores,
             draft=pb.DraftStats(drafted_tokens=d.drafted, accepted_tokens=d.accepted, rounds=d.rounds),
             batch_limit=s.max_running_requests,
+            awaiting_seed=self.engine.seeding.awaiting,
         )
+        report = self.engine.seeding.report
+        if report is not None and self._reported is not report:  # once to each gateway (seeding.py)
+            self._reported = report
+            hb.reload_seconds, hb.reload_source, hb.reload_seed = report.seconds, report.source, report.seed
+        return hb
 
     def welcomed(self, welcome: pb.Welcome) -> None:
         if welcome.skip_draft:
@@ -131,6 +140,10 @@ class EngineRole:
             # with several gateways, the union of what each says (this role is one gateway's session)
             engine.planes.members.apply(msg.members, source=self)
             log.debug("plane members", worker_id=engine.worker_id, members=len(msg.members.members))
+        elif kind == "reload_from":
+            r = msg.reload_from
+            if not engine.seed_from(r.seed_worker_id, r.seed_url):
+                log.info("reload seed ignored", worker_id=engine.worker_id, seed=r.seed_worker_id)
         elif kind == "stop_draft_assist":
             engine.assist.stop_pair(msg.stop_draft_assist.peer_id)
         elif kind == "set_admission":

@@ -30,6 +30,7 @@ import structlog
 
 from gateway.cluster.procs import stop_processes
 from gateway.config import Config, draft_for, recovery_policy
+from gateway.core.costmodel import ReloadSource
 from gateway.core.detector import SILENCE_REASON
 from gateway.core.health import WorkerState
 from gateway.protocol.faults import FAULT_SIGNALS
@@ -85,6 +86,8 @@ def worker_specs(config: Config, control_address: str, token_range: tuple[int, i
             token_hi=hi,
             model_seed=e.model_seed,
             model_load_s=None if e.model_load_s < 0 else e.model_load_s,
+            reload_from_peer=e.reload == ReloadSource.PEER,
+            peer_load_s=None if e.peer_load_s < 0 else e.peer_load_s,
             heartbeat_interval_ms=config.health.heartbeat_interval_ms,
             failure_domain=f"d{i % cl.failure_domains}",
             ckpt_budget_bytes=config.checkpoint.budget_bytes,

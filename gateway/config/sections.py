@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from gateway.core.costmodel import ReloadSource
 from gateway.core.detector import DetectorParams
 from gateway.core.dispatch import DispatchParams, ThetaMode
 from gateway.core.gray import GrayParams
@@ -132,6 +133,10 @@ class EngineSection:
     model_load_s: float = -1.0  # < 0: from the cost model (weights / load bandwidth + start-up)
     draft_load_s: float = -1.0  # restart: draft model load time; < 0: from the cost model
     model_seed: int = 0
+    # where a restart's full weights come from: "disk" (its storage) or "peer" (a running worker the
+    # gateway names, storage if none: seeded reload, worker_hooks/engine/seeding.py)
+    reload: ReloadSource = ReloadSource.DISK
+    peer_load_s: float = -1.0  # restart from a peer: load time; < 0: from the cost model
 
 
 @dataclass(frozen=True, slots=True)

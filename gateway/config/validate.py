@@ -198,6 +198,7 @@ def _model_and_engine(cfg: Config) -> None:
         "must be >= engine.page_size",
     )
     _check(e.kv_capacity_tokens >= 0, "engine.kv_capacity_tokens", e.kv_capacity_tokens, "must be >= 0")
+    _check(math.isfinite(e.peer_load_s), "engine.peer_load_s", e.peer_load_s, "must be a finite number")
 
 
 def _torch(cfg: Config) -> None:

@@ -246,6 +246,16 @@ class AdoptRequest(msgspec.Struct, forbid_unknown_fields=True):
     epoch: int = 0  # the incarnation the adopting gateway believes the request runs on; 0: any
 
 
+class SeedSend(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /lumen/seed_send` on a Lumen worker: a restarting peer loads its weights from this one
+    (seeded reload, worker_hooks/engine/seeding.py). The seed's steps take `slowdown` x longer for
+    `seconds` (wall), the modelled cost of sending; the answer comes when the transfer ends, and a
+    broken connection tells the restart that its seed is gone."""
+
+    seconds: float
+    slowdown: float
+
+
 SSE_DONE = b"data: [DONE]\n\n"
 
 _chunk_encoder = msgspec.json.Encoder()

@@ -66,6 +66,11 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # modelled full-model load time; None: from the cost model. Only a restart pays it.
     model_load_s: float | None = None
     restart: bool = False
+    # seeded reload (worker_hooks/engine/seeding.py): a restart asks the gateway for a running peer
+    # to load its weights from (Hello.awaiting_seed) and loads from storage when none is named;
+    # peer_load_s is the modelled load from a peer (None: the cost model's, start-up included)
+    reload_from_peer: bool = False
+    peer_load_s: float | None = None
     heartbeat_interval_ms: int = 20
     failure_domain: str = ""
     # checkpoint store (holder side) and sender (serving side), DESIGN 4.4

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.core.costmodel import CostModel
+from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.health import Phase
 from gateway.core.outage import OutageParams, queue_first
 from gateway.protocol.generate import FinishReason, GenerateRequest
@@ -36,10 +36,11 @@ from worker_hooks.engine.admission import Admission
 from worker_hooks.engine.checkpointing import Checkpointer, valid_endpoint
 from worker_hooks.engine.draft_assist import Assist
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.loading import load_plan, plain_plan, walk_plan
+from worker_hooks.engine.loading import LoadPlan, load_plan, plain_plan, walk_plan
 from worker_hooks.engine.orphans import Orphanage
 from worker_hooks.engine.pages import PagePool
 from worker_hooks.engine.scheduler import Emission, Scheduler, Seq, StepResult
+from worker_hooks.engine.seeding import SeededReload
 from worker_hooks.engine.stepping import StepLoop
 from worker_hooks.engine.validation import validate
 
@@ -131,7 +132,10 @@ class Engine:
         self.admission = Admission(self.worker_id, self.scheduler, spec.max_running_requests, self.steps.wake)
         self._loop_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
-        self.replanned = asyncio.Event()  # skip_draft replaced the load plan
+        self.replanned = asyncio.Event()  # skip_draft or a seed replaced the load plan
+        self.load_started = 0.0  # loop time the load plan's times count from (walk_plan)
+        # a restart's weights from a peer, and this worker as a peer's seed (seeding.py)
+        self.seeding = SeededReload(self)
         self.requests_total = 0
         self.aborted_total = 0
         self.prompt_tokens_total = 0
@@ -186,6 +190,7 @@ class Engine:
                         pass
         finally:  # a crashed loop re-raises here; the sockets still close
             self._load_task = self._loop_task = None
+            await self.seeding.close()
             await self.assist.close()
             await self.ckpt.close()
             if self.torch is not None:
@@ -197,10 +202,19 @@ class Engine:
         once the draft is ready (it drafts until the full model serves)."""
         if self.phase is not Phase.LOADING_DRAFT or not self.load_plan.drafts:
             return
-        self.load_plan = plain_plan(self.spec, self.cost)
-        self.phase = self.load_plan.first
-        self.replanned.set()
+        source = ReloadSource.PEER if self.seeding.source == ReloadSource.PEER else ReloadSource.DISK
+        self.replan(plain_plan(self.spec, self.cost, source))
         log.info("draft model skipped", worker_id=self.worker_id, plan=self.load_plan)
+
+    def replan(self, plan: LoadPlan) -> None:
+        """Replace the load plan (times from the load's start); the loading task re-reads it."""
+        self.load_plan = plan
+        self.phase = plan.first
+        self.replanned.set()
+
+    def seed_from(self, seed_id: str, seed_url: str) -> bool:
+        """The gateway's ReloadFrom: the full weights from that peer (seeding.py)."""
+        return self.seeding.seed_from(seed_id, seed_url)
 
     def drain(self) -> None:
         """Stop taking new requests; those in flight finish."""

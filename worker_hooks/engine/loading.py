@@ -9,7 +9,15 @@ time later than a plain restart (`gateway.core.reload.DraftFirst`, the timeline 
 the draft-assist gate charges). A draft model that would not be ready before the full one is not worth
 loading: such a restart is a plain LOADING_FULL one; and so is one whose gateway answers its Hello
 with `skip_draft` (the gate says drafting would not make up for the later start): `plain_plan`.
-`walk_plan` is the restart's task that changes the engine's phase on the plan's times.
+`walk_plan` is the restart's task that changes the engine's phase on the plan's times (re-read
+when the engine replaces its plan: `Engine.replan`).
+
+A seeded restart (`EngineSpec.reload_from_peer`, seeding.py) takes the full weights from a running
+peer once the gateway names one: the same plans with the peer's load time (`peer_load_s`, else the
+cost model's, start-up included), the draft model still from storage (the simulator's timeline,
+gateway/sim/reloads.py): a draft loaded first is ready at its own load time and the full model serves
+the peer transfer later. A seed lost mid-way leaves the rest of the weights to storage
+(`fallback_plan`).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.core.costmodel import CostModel
+from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.health import Phase
 from gateway.core.reload import DraftFirst
 from gateway.protocol.launch import EngineSpec
@@ -44,40 +52,64 @@ class LoadPlan:
         """Whether the worker goes through DRAFT_READY (and so runs a drafter)."""
         return any(phase is Phase.DRAFT_READY for _, phase in self.changes)
 
+    @property
+    def serving_s(self) -> float:
+        """When the plan serves, wall seconds from its start (0: at once)."""
+        return max((at for at, phase in self.changes if phase is Phase.SERVING), default=0.0)
 
-def _full_load_s(spec: EngineSpec, cost: CostModel) -> float:
+
+def _full_load_s(spec: EngineSpec, cost: CostModel, source: ReloadSource = ReloadSource.DISK) -> float:
+    if source is ReloadSource.PEER:
+        return spec.peer_load_s if spec.peer_load_s is not None else cost.load_time(source=ReloadSource.PEER)
     return spec.model_load_s if spec.model_load_s is not None else cost.load_time()
 
 
-def plain_plan(spec: EngineSpec, cost: CostModel) -> LoadPlan:
+def peer_weights_s(spec: EngineSpec, cost: CostModel) -> float:
+    """The transfer from a seed, modelled seconds: the last part of a peer load, never all of more."""
+    return min(cost.weights_time(ReloadSource.PEER), _full_load_s(spec, cost, ReloadSource.PEER))
+
+
+def plain_plan(spec: EngineSpec, cost: CostModel, source: ReloadSource = ReloadSource.DISK) -> LoadPlan:
     """A restart without its draft model: LOADING_FULL, then SERVING after the full model's load."""
     if not spec.restart:
         return LoadPlan(Phase.SERVING)
-    return LoadPlan(Phase.LOADING_FULL, ((_full_load_s(spec, cost) * spec.time_scale, Phase.SERVING),))
+    at = _full_load_s(spec, cost, source) * spec.time_scale
+    return LoadPlan(Phase.LOADING_FULL, ((at, Phase.SERVING),))
 
 
-def load_plan(spec: EngineSpec, cost: CostModel) -> LoadPlan:
-    """The plan for `spec`; `cost` is the full model's cost model. Times are scaled by time_scale."""
+def load_plan(spec: EngineSpec, cost: CostModel, source: ReloadSource = ReloadSource.DISK) -> LoadPlan:
+    """The plan for `spec` with the full weights from `source`; `cost` is the full model's cost
+    model. Times are scaled by time_scale."""
     if not spec.restart or not spec.draft_model:
-        return plain_plan(spec, cost)
-    full = _full_load_s(spec, cost)
+        return plain_plan(spec, cost, source)
+    full = _full_load_s(spec, cost, source)
     drafter = CostModel.preset(spec.draft_model, spec.gpu)
     draft_s = spec.draft_load_s if spec.draft_load_s is not None else drafter.load_time()
-    if draft_s >= full:
-        return plain_plan(spec, cost)
-    t = DraftFirst(full, draft_s, drafter.weights_time())
+    if draft_s >= full:  # core draft_first: worth loading first only if ready first
+        return plain_plan(spec, cost, source)
     scale = spec.time_scale
+    if source is ReloadSource.PEER:  # the draft from storage, then the weights from the seed
+        ready, serving = draft_s, draft_s + peer_weights_s(spec, cost)
+    else:
+        t = DraftFirst(full, draft_s, drafter.weights_time())
+        ready, serving = t.draft_load_s, t.serving_s
     return LoadPlan(
-        Phase.LOADING_DRAFT,
-        ((t.draft_load_s * scale, Phase.DRAFT_READY), (t.serving_s * scale, Phase.SERVING)),
+        Phase.LOADING_DRAFT, ((ready * scale, Phase.DRAFT_READY), (serving * scale, Phase.SERVING))
     )
+
+
+def fallback_plan(spec: EngineSpec, cost: CostModel, phase: Phase, elapsed_s: float) -> LoadPlan:
+    """A seeded restart whose seed was lost `elapsed_s` (wall) into its load: the rest of the weights
+    from storage (no second start-up), in the phase it is in until it serves."""
+    weights = min(cost.weights_time(), _full_load_s(spec, cost))
+    return LoadPlan(phase, ((elapsed_s + weights * spec.time_scale, Phase.SERVING),))
 
 
 async def walk_plan(engine: Engine) -> None:
     """Walk `engine`'s load plan, changing its phase on time (re-read if `Engine.skip_draft` replaces
     the plan); once serving, retire the drafter (after its pairs and rounds end)."""
     loop = asyncio.get_running_loop()
-    start = loop.time()
+    start = engine.load_started = loop.time()
     log.info("loading model", worker_id=engine.worker_id, plan=engine.load_plan)
     torch = engine.torch
     done = 0  # phase changes of the current plan taken
@@ -104,5 +136,7 @@ async def walk_plan(engine: Engine) -> None:
             engine.assist.drafter.set_ready()
         engine.phase = phase
         log.info("phase", worker_id=engine.worker_id, phase=phase.value, incarnation=engine.incarnation)
+        if phase is Phase.SERVING:
+            engine.seeding.served(loop.time() - start)
     if engine.assist.drafter is not None:
         await engine.assist.drafter.retire()

@@ -29,6 +29,7 @@ from gateway.protocol.generate import (
     GenerateChunk,
     LogprobRow,
     MetaInfo,
+    SeedSend,
     TokenLogprob,
     encode,
     encode_sse_chunk,
@@ -36,7 +37,7 @@ from gateway.protocol.generate import (
 )
 from gateway.protocol.openai.errors import OpenAIError
 from worker_hooks.engine.engine import Engine
-from worker_hooks.engine.errors import EngineError, InvalidRequest
+from worker_hooks.engine.errors import EngineError, InvalidRequest, NotServing
 from worker_hooks.engine.handle import RequestHandle
 from worker_hooks.engine.http import WORKER, json_response
 from worker_hooks.engine.scheduler import Emission
@@ -53,7 +54,12 @@ class FaultRequest(msgspec.Struct, forbid_unknown_fields=True):
     slowdown: float
 
 
+# bounds of a seed's send (a restart asks for its transfer's wall length and the cost model's factor)
+MAX_SEND_S = 3600.0
+MAX_SEND_SLOWDOWN = 10.0
+
 _fault_decoder = msgspec.json.Decoder(FaultRequest)
+_seed_send_decoder = msgspec.json.Decoder(SeedSend)
 _adopt_decoder = msgspec.json.Decoder(AdoptRequest)
 
 
@@ -218,6 +224,27 @@ async def fault(request: web.Request) -> web.Response:
     return json_response({"worker_id": engine.worker_id, "slowdown": engine.slowdown})
 
 
+async def seed_send(request: web.Request) -> web.Response:
+    """A restarting peer loads its weights from this worker (seeding.py): its steps are slower for
+    the transfer's length, and the answer comes when the transfer ends."""
+    engine = request.app[WORKER].engine
+    try:
+        req = _seed_send_decoder.decode(await request.read())
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return error_response(InvalidRequest(f"invalid /lumen/seed_send body: {exc}"))
+    if not (0 <= req.seconds <= MAX_SEND_S and 1.0 <= req.slowdown <= MAX_SEND_SLOWDOWN):
+        return error_response(
+            InvalidRequest(
+                f"seconds must be in [0, {MAX_SEND_S:g}] and slowdown in [1, {MAX_SEND_SLOWDOWN:g}]"
+            )
+        )
+    if engine.phase is not Phase.SERVING:
+        return error_response(InvalidRequest(f"this worker is {engine.phase.value}, not serving: no seed"))
+    if not await engine.seeding.send(req.seconds, req.slowdown):
+        return error_response(NotServing("this worker stopped during the transfer"))
+    return json_response({"worker_id": engine.worker_id, "sent_s": req.seconds})
+
+
 async def health(request: web.Request) -> web.Response:
     engine = request.app[WORKER].engine
     if engine.phase is Phase.SERVING:
@@ -230,6 +257,7 @@ def add_routes(app: web.Application, *, fault_injection: bool = False) -> None:
     app.router.add_put("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/lumen/adopt", adopt)
+    app.router.add_post("/lumen/seed_send", seed_send)
     if fault_injection:  # a worker started for testing only (EngineSpec.fault_injection)
         app.router.add_post("/lumen/fault", fault)
     app.router.add_get("/health", health)

@@ -72,6 +72,8 @@ class StepLoop:
         self._unpaused.set()
         # fault injection (a slow, degraded GPU): every step takes `slowdown` x its modelled time
         self.slowdown = 1.0
+        # a seed sending its weights to a restarting peer (seeding.py): its steps take this much longer
+        self.send_slowdown = 1.0
         self.steps_total = 0
         self.modelled_s_total = 0.0  # modelled time of every step so far (restores included)
         self.busy_s_total = 0.0  # wall time the loop spent outside its sleeps
@@ -100,6 +102,11 @@ class StepLoop:
         log.warning("engine slowdown (fault injection)", worker_id=self.worker_id, slowdown=factor)
         self.slowdown = factor
 
+    @property
+    def factor(self) -> float:
+        """What a step's time is stretched by: a slow fault's factor times a seed's send factor."""
+        return self.slowdown * self.send_slowdown
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time()
@@ -126,7 +133,7 @@ class StepLoop:
                         if result.restored_tokens:
                             modelled += self.cost.restore_time(result.restored_tokens)
                         self.modelled_s_total += modelled
-                        deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale * self.slowdown
+                        deadline = max(deadline, loop.time() - MAX_LAG_S) + modelled * scale * self.factor
                     t1 = time.perf_counter()
                     delay = deadline - loop.time()
                     await asyncio.sleep(delay if delay > 0 else 0)
@@ -163,6 +170,6 @@ class StepLoop:
         result, seconds = out
         self.modelled_s_total += seconds  # measured: the step thread's time
         end = time.perf_counter()
-        if self.slowdown != 1.0:
-            await asyncio.sleep(seconds * (self.slowdown - 1.0))
+        if self.factor != 1.0:
+            await asyncio.sleep(seconds * (self.factor - 1.0))
         return result, end

@@ -1,4 +1,7 @@
-"""The reload coordinator: which survivor a restarting SGLang server loads its weights from (issue 14).
+"""The reload coordinator: which survivor a restarting worker loads its weights from (issue 14).
+
+A restarting Lumen worker started with `engine.reload = "peer"` asks the same way in its Hello
+(worker_hooks/engine/seeding.py) and loads from storage when no answer names a seed.
 
 An SGLang agent whose server died re-attaches in LOADING_FULL with `awaiting_seed` in its Hello (or in
 its heartbeats, when the session re-attached before the agent saw the exit) and waits a moment (its
@@ -34,6 +37,9 @@ from gateway.server.workers.monitor import LoadMonitor, StateEvent, WorkerRecord
 
 log = structlog.get_logger("lumen.reload")
 
+# the engines that reload from a seed: SGLang (`--load-format remote_instance`, its agent) and
+# Lumen's workers (worker_hooks/engine/seeding.py)
+_SEEDED = frozenset({EngineKind.SGLANG, EngineKind.LUMEN})
 # the states a restart waits for its weights in; leaving them ends its claim on the seed
 _LOADING = frozenset({WorkerState.JOINING, WorkerState.RESTARTING})
 
@@ -48,10 +54,11 @@ class SeedChoice:
 
 
 def deployment_key(rec: WorkerRecord) -> str | None:
-    """What a seed must share with the restart: SGLang, same model and TP; None: cannot be matched."""
-    if rec.engine is not EngineKind.SGLANG or not rec.model or rec.tp < 1:
+    """What a seed must share with the restart: the engine (SGLang servers seed SGLang servers,
+    Lumen's workers Lumen's), the model and the TP; None: cannot be matched."""
+    if rec.engine not in _SEEDED or not rec.model or rec.tp < 1:
         return None
-    return f"{rec.model}\x00tp{rec.tp}"
+    return f"{rec.engine.value}\x00{rec.model}\x00tp{rec.tp}"
 
 
 class ReloadCoordinator:
@@ -92,8 +99,8 @@ class ReloadCoordinator:
             self.answer(rec)
 
     def answer(self, rec: WorkerRecord) -> None:
-        """Send a restarting SGLang worker its seed (once per incarnation), or nothing if none fits."""
-        if rec.engine is not EngineKind.SGLANG or self.answered.get(rec.id) == rec.incarnation:
+        """Send a restarting worker its seed (once per incarnation), or nothing if none fits."""
+        if rec.engine not in _SEEDED or self.answered.get(rec.id) == rec.incarnation:
             return
         self.answered[rec.id] = rec.incarnation
         self.seeding.pop(rec.id, None)  # an earlier incarnation's claim, if any
