@@ -87,3 +87,12 @@ class DraftFirst:
     def window_s(self) -> float:
         """How long the drafter drafts before the full model serves (the gate's `assist_window_s`)."""
         return max(0.0, self.serving_s - self.draft_load_s)
+
+
+def seeded_draft_first_serving_s(draft_load_s: float, peer_weights_s: float, peer_load_s: float) -> float:
+    """When a restart that loads its draft first (from storage) and then its full weights from a seed
+    serves: the transfer after the draft is ready, and never sooner than a plain seeded restart
+    (`peer_load_s`, start-up included) would. With the cost model's times the first term is the
+    larger (a draft's load pays the engine start-up too); the bound keeps load times given by hand
+    (a short `draft_load_s`) from making a draft-first restart serve before a plain one."""
+    return max(draft_load_s + peer_weights_s, peer_load_s)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.health import WorkerState
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.reload import DraftFirst, draft_first
+from gateway.core.reload import DraftFirst, draft_first, seeded_draft_first_serving_s
 from gateway.sim import events as ev
 from gateway.sim.coordinator import Coordinator
 from gateway.sim.events import EventQueue
@@ -145,7 +145,11 @@ class Reloads:
         if first:
             ready = now + t.draft_load_s
             q.push(ready, ev.PHASE, w, (inc, S.DRAFT_READY, rl, 0))
-            serving = ready + (t.after_draft_s if seed is None else t.peer_weights_s)
+            serving = (
+                ready + t.after_draft_s
+                if seed is None
+                else now + seeded_draft_first_serving_s(t.draft_load_s, t.peer_weights_s, t.peer_load_s)
+            )
         else:
             serving = now + full
         if seed is not None:

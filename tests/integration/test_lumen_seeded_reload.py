@@ -50,11 +50,17 @@ def test_a_peer_plan_takes_the_peer_load_time_and_the_draft_still_from_storage()
     assert auto.serving_s < load_plan(spec("w", restart=True), COST).serving_s  # 20.7 s vs 36.4 s
     over = spec("w", restart=True, peer_load_s=3.0, model_load_s=9.0, time_scale=0.5)
     assert plain_plan(over, COST, ReloadSource.PEER) == LoadPlan(Phase.LOADING_FULL, ((1.5, Phase.SERVING),))
-    # a draft first from storage, then the full weights from the seed (the simulator's timeline)
-    drafting = spec("w", restart=True, draft_model="Qwen3-1.7B", draft_load_s=1.0, peer_load_s=3.0)
+    # a draft first from storage, then the full weights from the seed (the simulator's timeline),
+    # never serving sooner than a plain seeded restart would (core seeded_draft_first_serving_s)
+    drafting = spec("w", restart=True, draft_model="Qwen3-1.7B", draft_load_s=2.5, peer_load_s=3.0)
     plan = load_plan(drafting, COST, ReloadSource.PEER)
     assert plan.first is Phase.LOADING_DRAFT
-    assert plan.changes == ((1.0, Phase.DRAFT_READY), (1.0 + peer_weights_s(drafting, COST), Phase.SERVING))
+    assert plan.changes == ((2.5, Phase.DRAFT_READY), (2.5 + peer_weights_s(drafting, COST), Phase.SERVING))
+    quick = spec("w", restart=True, draft_model="Qwen3-1.7B", draft_load_s=1.0, peer_load_s=3.0)
+    assert load_plan(quick, COST, ReloadSource.PEER).changes == (
+        (1.0, Phase.DRAFT_READY),
+        (3.0, Phase.SERVING),
+    )
     # a draft that the peer's full model would beat is not loaded first
     late = spec("w", restart=True, draft_model="Qwen3-1.7B", draft_load_s=5.0, peer_load_s=3.0)
     assert not load_plan(late, COST, ReloadSource.PEER).drafts and load_plan(late, COST).drafts

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gateway.core.health import WorkerState
 from gateway.core.load import estimated_load
-from gateway.core.reload import choose_seed, draft_first
+from gateway.core.reload import choose_seed, draft_first, seeded_draft_first_serving_s
 from gateway.core.types import ClusterView, LoadParams, WorkerView
 
 S = WorkerState
@@ -114,3 +114,21 @@ def test_draft_first_only_when_the_draft_is_ready_before_the_full_model() -> Non
     assert draft_first(21.7, 36.4)  # full model from disk: draft assist has ~15 s to help
     assert not draft_first(21.7, 20.7)  # seeded from a peer, the full model arrives first
     assert not draft_first(10.0, 10.0)
+
+
+@given(
+    st.floats(0, 100, allow_nan=False), st.floats(0, 10, allow_nan=False), st.floats(0, 100, allow_nan=False)
+)
+def test_a_seeded_draft_first_restart_never_serves_before_a_plain_seeded_one(
+    draft: float, weights: float, peer: float
+) -> None:
+    t = seeded_draft_first_serving_s(draft, weights, peer)
+    assert t >= peer and t >= draft + weights
+    assert t in (peer, draft + weights)
+
+
+def test_with_the_cost_models_times_the_transfer_follows_the_draft() -> None:
+    # Qwen3-32B from a peer: 20.73 s (start-up 20 + 0.73 transfer); a 0.6B draft: 20.6 s
+    assert seeded_draft_first_serving_s(20.6, 0.73, 20.73) == 20.6 + 0.73
+    # a draft given a hand-set 1 s load (which the start-up would not allow) cannot jump the queue
+    assert seeded_draft_first_serving_s(1.0, 0.73, 6.8) == 6.8

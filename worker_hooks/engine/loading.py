@@ -31,7 +31,7 @@ import structlog
 
 from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.health import Phase
-from gateway.core.reload import DraftFirst
+from gateway.core.reload import DraftFirst, seeded_draft_first_serving_s
 from gateway.protocol.launch import EngineSpec
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def load_plan(spec: EngineSpec, cost: CostModel, source: ReloadSource = ReloadSo
         return plain_plan(spec, cost, source)
     scale = spec.time_scale
     if source is ReloadSource.PEER:  # the draft from storage, then the weights from the seed
-        ready, serving = draft_s, draft_s + peer_weights_s(spec, cost)
+        ready, serving = draft_s, seeded_draft_first_serving_s(draft_s, peer_weights_s(spec, cost), full)
     else:
         t = DraftFirst(full, draft_s, drafter.weights_time())
         ready, serving = t.draft_load_s, t.serving_s
