@@ -162,3 +162,20 @@ async def test_a_seed_lost_mid_transfer_leaves_the_rest_to_storage() -> None:
         report = w0.engine.seeding.report
         assert report is not None and (report.source, report.seed) == ("peer>disk", "w1")
         assert report.seconds > 1.0  # later than the peer plan's 1.0 s: the rest came from storage
+
+
+async def test_a_torch_restart_takes_the_seed_named_while_it_loads_its_model() -> None:
+    """The torch backend loads its model at the start of the plan's last step; a ReloadFrom that lands
+    meanwhile still shortens the wait (the plan is re-read at once, the model not loaded twice)."""
+    pytest.importorskip("torch")
+    async with gateway() as gw, workers(gw, "w1"):
+        restart = spec(
+            "w0", gw, backend="torch", torch_model="tiny", torch_draft="", restart=True,
+            reload_from_peer=True, model_load_s=30.0, peer_load_s=0.5,
+        )  # fmt: skip
+        async with start_worker(restart) as w0:
+            await state_event(gw, to("w0", WorkerState.HEALTHY), within=20)
+            report = w0.engine.seeding.report
+            assert report is not None and (report.source, report.seed) == ("peer", "w1")
+            assert report.seconds < 10.0  # not storage's 30 s
+            assert w0.engine.torch is not None and w0.engine.torch.model is not None

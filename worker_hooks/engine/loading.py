@@ -113,17 +113,19 @@ async def walk_plan(engine: Engine) -> None:
     log.info("loading model", worker_id=engine.worker_id, plan=engine.load_plan)
     torch = engine.torch
     done = 0  # phase changes of the current plan taken
+    loaded: set[Phase] = set()  # the torch loads done (a replanned phase is not loaded twice)
     while done < len(engine.load_plan.changes):
         plan = engine.load_plan
         at, phase = plan.changes[done]
-        if torch is not None:  # real loads; the plan's times are minimums
+        engine.replanned.clear()  # before the loads: a replan during one is seen at once
+        if torch is not None and phase not in loaded:  # real loads; the plan's times are minimums
             if phase is Phase.DRAFT_READY and engine.assist.drafter is not None:
                 engine.assist.drafter.set_model(await torch.load_draft_async())
             elif phase is Phase.SERVING:
                 await torch.load_target_async()
-        engine.replanned.clear()
+            loaded.add(phase)
         wait = start + at - loop.time()
-        if wait > 0:
+        if wait > 0 and engine.load_plan is plan:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(engine.replanned.wait(), wait)
         if engine.load_plan is not plan:  # replanned while waiting: from its first change
