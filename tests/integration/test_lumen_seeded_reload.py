@@ -15,6 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.cluster.supervisor import worker_specs
+from gateway.config import load_config
 from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.health import Phase, WorkerState
 from gateway.protocol.launch import EngineSpec
@@ -179,3 +181,12 @@ async def test_a_torch_restart_takes_the_seed_named_while_it_loads_its_model() -
             assert report is not None and (report.source, report.seed) == ("peer", "w1")
             assert report.seconds < 10.0  # not storage's 30 s
             assert w0.engine.torch is not None and w0.engine.torch.model is not None
+
+
+def test_the_cluster_config_reaches_every_worker_spec() -> None:
+    plain = worker_specs(load_config(), "127.0.0.1:1", (259, 32, 127))
+    assert not any(s.reload_from_peer for s in plain) and all(s.peer_load_s is None for s in plain)
+    cfg = load_config(overrides={"engine.reload": "peer", "engine.peer_load_s": 6.8})
+    assert all(
+        s.reload_from_peer and s.peer_load_s == 6.8 for s in worker_specs(cfg, "127.0.0.1:1", (259, 32, 127))
+    )
