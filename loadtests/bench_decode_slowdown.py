@@ -112,7 +112,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     async with start_worker(make_spec("serving", args)) as a, start_worker(make_spec("holder", args)) as b:
         # what the gateway's Members does: the two trust each other's CURVE keys on the KV plane
-        members = [Member(w.worker_id, w.incarnation, w.engine.planes.keys.public, w.kv_endpoint) for w in (a, b)]
+        members = [
+            Member(w.worker_id, w.incarnation, w.engine.planes.keys.public, w.kv_endpoint) for w in (a, b)
+        ]
         for w in (a, b):
             w.engine.planes.members.replace(members)
         decode_ms = a.engine.cost.decode_step_time([args.prompt + args.output // 2] * args.requests) * 1e3

@@ -99,7 +99,9 @@ async def _lumen_receiver(bind_to: str, conn: Connection) -> None:
             arrived.set()
 
     # the plane's own cost without CURVE (production encrypts: docs/design.md 4.4 gives that cost)
-    async with StoreServer(CheckpointStore(4 * REQUEST_BYTES), bind_to, auth=PLAINTEXT, on_hold=on_hold) as server:
+    async with StoreServer(
+        CheckpointStore(4 * REQUEST_BYTES), bind_to, auth=PLAINTEXT, on_hold=on_hold
+    ) as server:
         conn.send(server.endpoint)
         while (cmd := await loop.run_in_executor(None, conn.recv))[0] == "expect":
             start = server.stats.payload_bytes

@@ -118,7 +118,7 @@ class AdminAPI:
                     "per_token_ms": round(1000 * w.per_token_s, 2) if w.per_token_at is not None else None,
                     "failure_domain": w.failure_domain,
                     "tp": w.tp,
-                    # the reload this incarnation reported (an SGLang agent's relaunch), if any
+                    # the reload this incarnation reported (an SGLang agent's relaunch, a Lumen worker's restart)
                     "reload": None
                     if w.reload_seconds is None
                     else {

@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     "restored_tokens",
                     "draft_tokens_verified",
                     "draft_accepted_fraction",
+                    "reload_source",
+                    "reload_s",
                 )
             }
         )

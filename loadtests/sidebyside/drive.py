@@ -202,4 +202,8 @@ def run_mode(
     accepted = sum(w.get("accepted_tokens", 0) for w in info["workers"])
     info["draft_tokens_verified"] = drafted
     info["draft_accepted_fraction"] = accepted / drafted if drafted else None
+    # the restarts' reloads as the workers reported them (the simulator's `reload_source`, `reload_s`)
+    reloads = [w["reload"] for w in info["workers"] if w.get("reload")]
+    info["reload_source"] = "/".join(sorted({r["source"] for r in reloads})) or None
+    info["reload_s"] = sum(r["seconds"] for r in reloads) / len(reloads) if reloads else None
     return records, info

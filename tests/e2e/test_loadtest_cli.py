@@ -21,6 +21,8 @@ SIM_KEYS = {
     "impact_ttft_mean_s",
     "impact_tpot_mean_s",
     "client_errors",
+    "reload_source",
+    "reload_s",
 }
 
 
@@ -76,6 +78,7 @@ def test_loadtest_writes_the_sim_contract(tmp_path: Path, modes: str, run: list[
     for mode, row in summary["modes"].items():
         assert set(row) >= SIM_KEYS, (mode, sorted(row))
         assert row["requests"] > 0 and row["faults"], row
+        assert row["reload_source"] in (None, "disk"), row  # a killed worker reloads from storage here
     assert summary["modes"]["lumen"]["client_errors"] == 0
     table = (out / "summary.md").read_text()
     assert all(f"| {mode} |" in table for mode in summary["modes"])
