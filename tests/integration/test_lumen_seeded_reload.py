@@ -20,6 +20,7 @@ from gateway.config import load_config
 from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.health import Phase, WorkerState
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.secrets import worker_http_bearer
 from gateway.server.app import Gateway
 from tests.integration.test_sglang_agent import TOKEN, gateway, state_event, to
 from worker_hooks.engine.loading import LoadPlan, fallback_plan, load_plan, peer_weights_s, plain_plan
@@ -40,6 +41,14 @@ def spec(worker_id: str, gw: Gateway | None = None, **kw: Any) -> EngineSpec:
         "log_level": "warning",
     }
     return EngineSpec(worker_id=worker_id, **(base | kw))
+
+
+async def until(cond: Any, within: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 # -- the plans --------------------------------------------------------------------------------------
@@ -88,10 +97,7 @@ async def test_a_seed_sends_slower_while_it_sends_and_refuses_bad_bodies() -> No
         send = asyncio.create_task(
             http.post(w.url + "/lumen/seed_send", json={"seconds": 0.3, "slowdown": 1.5})
         )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2
-        while w.engine.seeding.sending == 0 and loop.time() < deadline:
-            await asyncio.sleep(0.005)
+        await until(lambda: w.engine.seeding.sending == 1)
         assert steps.factor == 1.5
         resp = await send
         assert resp.status == 200 and (await resp.json())["sent_s"] == 0.3
@@ -126,12 +132,22 @@ async def test_a_restart_loads_from_the_seed_the_gateway_names_and_reports_it() 
             assert w0.engine.seeding.report is not None
             assert w0.engine.seeding.report.source == "peer" and w0.engine.seeding.report.seed == "w1"
             assert 2.0 <= w0.engine.seeding.report.seconds < 5.0  # the peer's 2 s, not storage's 30
-            assert ws["w1"].engine.seeding.sends_total == 1 and ws["w2"].engine.seeding.sends_total == 0
+            # the seed's side ends with the transfer, around when w0 serves
+            await until(lambda: ws["w1"].engine.seeding.sends_total == 1)
+            assert ws["w2"].engine.seeding.sends_total == 0
             assert ws["w1"].engine.steps.factor == 1.0  # the seed's slowdown ended with the transfer
             rec = gw.monitor.workers["w0"]
             assert (rec.reload_source, rec.reload_seed) == ("peer", "w1")
             assert "reloaded from w1 (peer)" in back.reason, back.reason
             assert w0.engine.phase is Phase.SERVING
+            async with aiohttp.ClientSession() as http:  # what an operator's scrape sees
+                headers = {"Authorization": f"Bearer {worker_http_bearer(TOKEN)}"}
+                async with http.get(ws["w1"].url + "/metrics", headers=headers) as r:
+                    assert f'lumen_seed_sends_total{{model_name="{MODEL}"}} 1.0' in await r.text()
+                async with http.get(w0.url + "/metrics", headers=headers) as r:
+                    text = await r.text()
+                    line = next(x for x in text.splitlines() if x.startswith("lumen_reload_seconds{"))
+                    assert 2.0 <= float(line.split()[-1]) < 5.0, line
 
 
 async def test_no_seed_named_means_storage() -> None:
@@ -154,11 +170,7 @@ async def test_a_seed_lost_mid_transfer_leaves_the_rest_to_storage() -> None:
         # peer: 1.0 modelled s, the transfer its last 0.73; storage: 1.0 s of weights
         restart = spec("w0", gw, restart=True, reload_from_peer=True, model_load_s=1.0, peer_load_s=1.0)
         w0 = await stack.enter_async_context(start_worker(restart))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while seed.engine.seeding.sending == 0 and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        assert seed.engine.seeding.sending == 1, "the transfer never began"
+        await until(lambda: seed.engine.seeding.sending == 1)  # the transfer began
         await seed_stack.aclose()  # the seed dies mid-transfer
         await state_event(gw, to("w0", WorkerState.HEALTHY), within=15)
         report = w0.engine.seeding.report

@@ -92,6 +92,23 @@ class EngineCollector(Collector):
             "lumen_draft_accepted_tokens", "Drafts accepted by this worker's verification.", d.accepted
         )
         yield counter("lumen_draft_assisted_steps", "Engine steps that verified drafts.", d.rounds)
+        seeding = engine.seeding
+        yield counter(
+            "lumen_seed_sends",
+            "Weight transfers this worker served to a restarting peer.",
+            seeding.sends_total,
+        )
+        yield gauge(
+            "lumen_seed_sending",
+            "Weight transfers this worker is serving now (its steps slower).",
+            seeding.sending,
+        )
+        report = seeding.report
+        yield gauge(
+            "lumen_reload_seconds",
+            "Modelled seconds this incarnation's restart took to serve (0: a first start).",
+            report.seconds if report is not None else 0.0,
+        )
         refused = CounterMetricFamily(
             "lumen_plane_refused",
             "Data-plane handshakes and messages refused: no CURVE or not a member (handshake), a key no "
