@@ -142,7 +142,7 @@ class EngineRole:
             log.debug("plane members", worker_id=engine.worker_id, members=len(msg.members.members))
         elif kind == "reload_from":
             r = msg.reload_from
-            if not engine.seed_from(r.seed_worker_id, r.seed_url):
+            if not engine.seeding.seed_from(r.seed_worker_id, r.seed_url):
                 log.info("reload seed ignored", worker_id=engine.worker_id, seed=r.seed_worker_id)
         elif kind == "stop_draft_assist":
             engine.assist.stop_pair(msg.stop_draft_assist.peer_id)

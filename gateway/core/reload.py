@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from gateway.core.costmodel import ReloadSource
 from gateway.core.health import WorkerState
 from gateway.core.load import load_table
 from gateway.core.types import ClusterView, LoadParams, WorkerId
@@ -87,6 +88,11 @@ class DraftFirst:
     def window_s(self) -> float:
         """How long the drafter drafts before the full model serves (the gate's `assist_window_s`)."""
         return max(0.0, self.serving_s - self.draft_load_s)
+
+
+# a seeded reload whose seed was lost mid-way: the rest of the weights came from storage (the
+# `reload_source` both shells report)
+SEED_LOST_SOURCE = f"{ReloadSource.PEER.value}>{ReloadSource.DISK.value}"
 
 
 def seeded_draft_first_serving_s(draft_load_s: float, peer_weights_s: float, peer_load_s: float) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from gateway.core.costmodel import CostModel, ReloadSource
 from gateway.core.health import WorkerState
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.reload import DraftFirst, draft_first, seeded_draft_first_serving_s
+from gateway.core.reload import SEED_LOST_SOURCE, DraftFirst, draft_first, seeded_draft_first_serving_s
 from gateway.sim import events as ev
 from gateway.sim.coordinator import Coordinator
 from gateway.sim.events import EventQueue
@@ -189,7 +189,7 @@ class Reloads:
             # the transfer breaks (or never starts): the rest of the weights come from disk
             rl.gen += 1
             rl.slowing = False
-            rl.source = f"{ReloadSource.PEER.value}>{ReloadSource.DISK.value}"
+            rl.source = SEED_LOST_SOURCE
             rl.transfer_s = max(0.0, now - rl.transfer_start)
             serving = max(now, rl.transfer_start) + self.times.weights_load_s
             r = rl.worker

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.core.costmodel import CostModel, ReloadSource
+from gateway.core.costmodel import CostModel
 from gateway.core.health import Phase
 from gateway.core.outage import OutageParams, queue_first
 from gateway.protocol.generate import FinishReason, GenerateRequest
@@ -202,8 +202,7 @@ class Engine:
         once the draft is ready (it drafts until the full model serves)."""
         if self.phase is not Phase.LOADING_DRAFT or not self.load_plan.drafts:
             return
-        source = ReloadSource.PEER if self.seeding.source == ReloadSource.PEER else ReloadSource.DISK
-        self.replan(plain_plan(self.spec, self.cost, source))
+        self.replan(plain_plan(self.spec, self.cost, self.seeding.weights_source))
         log.info("draft model skipped", worker_id=self.worker_id, plan=self.load_plan)
 
     def replan(self, plan: LoadPlan) -> None:
@@ -211,10 +210,6 @@ class Engine:
         self.load_plan = plan
         self.phase = plan.first
         self.replanned.set()
-
-    def seed_from(self, seed_id: str, seed_url: str) -> bool:
-        """The gateway's ReloadFrom: the full weights from that peer (seeding.py)."""
-        return self.seeding.seed_from(seed_id, seed_url)
 
     def drain(self) -> None:
         """Stop taking new requests; those in flight finish."""

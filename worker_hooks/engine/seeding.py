@@ -32,6 +32,7 @@ import structlog
 
 from gateway.core.costmodel import ReloadSource
 from gateway.core.health import Phase
+from gateway.core.reload import SEED_LOST_SOURCE
 from gateway.protocol.generate import SeedSend, encode
 from gateway.protocol.secrets import worker_http_bearer
 from worker_hooks.engine.loading import LoadPlan, fallback_plan, load_plan, peer_weights_s, plain_plan
@@ -66,6 +67,11 @@ class SeededReload:
         self.sending = 0  # transfers this worker serves as a seed now
         self.sends_total = 0  # transfers it served to their end
         self._closed = asyncio.Event()  # the engine stops: a transfer in progress breaks
+
+    @property
+    def weights_source(self) -> ReloadSource:
+        """Where the full weights come from now: the named seed, else storage."""
+        return ReloadSource.PEER if self.source == ReloadSource.PEER else ReloadSource.DISK
 
     # -- the restart's side -----------------------------------------------------------------------
     def seed_from(self, seed_id: str, seed_url: str) -> bool:
@@ -110,7 +116,7 @@ class SeededReload:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             if engine.phase in _LOADING:
-                self.source = f"{ReloadSource.PEER.value}>{ReloadSource.DISK.value}"
+                self.source = SEED_LOST_SOURCE
                 elapsed = loop.time() - engine.load_started
                 engine.replan(fallback_plan(engine.spec, engine.cost, engine.phase, elapsed))
                 log.warning("reload_seed_lost", worker_id=engine.worker_id, seed=self.seed, error=repr(exc))
