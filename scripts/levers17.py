@@ -2,6 +2,9 @@
 
     .venv/bin/python scripts/levers17.py calibrate            # rates / trace speedup for ~1.2 s TTFT
     .venv/bin/python scripts/levers17.py run --shapes conv,code --seeds 1,2,3 --out out/levers17
+    # the capacity bound beside lumen: the same run losing no work (docs/evaluation.md)
+    .venv/bin/python scripts/levers17.py run --shapes code --seeds 1,2,3 --out out/bound17 \
+        --variants '{"lumen": {}, "bound": {"failure.kind": "capacity"}}'
 
 Each workload shape is a paper-4w cluster (4 x Qwen3-32B TP2, w0 killed) with a synthetic shape
 (`workload.shape`) or the shared conversation trace; `lull` kills w0 at the start of the longest gap
@@ -168,8 +171,13 @@ def pick(v: dict[str, Any], records: Any, failure_at: float | None) -> dict[str,
 
 
 def apply(s: Scenario, over: dict[str, Any]) -> Scenario:
+    """`section.key` overrides; `failure.KEY` sets KEY on every failure (`failure.kind: capacity`:
+    the capacity bound, docs/evaluation.md)."""
     for key, value in over.items():
         section, field = key.split(".")
+        if section == "failure":
+            s = replace(s, failures=tuple(replace(f, **{field: value}) for f in s.failures))
+            continue
         sub = getattr(s, section)
         s = replace(s, **{section: replace(sub, **{field: value})})
     return s

@@ -208,10 +208,7 @@ class Coordinator:
         decision: Decision = dispatch(self.view(), ir, self.dispatch_params, self.cost)
         if decision.worker is None:
             return False
-        if not self.outage.recovering:
-            self._admitting(self.outage.set_recovering(True, now))
-        elif self.outage.shaping:
-            self._admitting(self.outage.check(now))
+        self.begin_recovery(now)
         self.decisions[decision.action] += 1
         target = self.by_id[decision.worker]
         # the engine finds r's pages in its own store by prefix lookup, whatever the rule called it
@@ -228,6 +225,13 @@ class Coordinator:
         return None if wid is None else self.by_id[wid]
 
     # -- the outage: survivors' queue order and batch limit (gateway/sim/outage.py) ---------------
+    def begin_recovery(self, now: float) -> None:
+        """A recovery starts, or goes on (a later dispatch): the outage's queue order and limit."""
+        if not self.outage.recovering:
+            self._admitting(self.outage.set_recovering(True, now))
+        elif self.outage.shaping:
+            self._admitting(self.outage.check(now))
+
     def check_backlog(self, now: float) -> None:
         """End the recovery once the backlog has drained (or raise the boost if more are out)."""
         self._admitting(self.outage.check(now))

@@ -84,8 +84,10 @@ class FailureSpec:
     at_s: float = 60.0
     # kill: the process dies (its streams break: detected `recovery.detection_s` later); hang: it
     # stops and answers nothing (detected by silence, core/detector.py; restarted after
-    # `recovery.hung_restart_grace_s`); slow: its steps take `slowdown` x longer (a gray failure)
-    kind: Literal["kill", "slow", "hang"] = "kill"
+    # `recovery.hung_restart_grace_s`); slow: its steps take `slowdown` x longer (a gray failure);
+    # capacity: a bound, not a fault: the worker's capacity is gone for its reload as in a kill, but
+    # no work is lost and nothing waits for detection (docs/evaluation.md, "The capacity bound")
+    kind: Literal["kill", "slow", "hang", "capacity"] = "kill"
     # victims: explicit ids, or a seeded random fraction of the workers, or a failure domain, or the
     # worker holding most checkpoints of a worker that failed earlier (ring successor without any)
     workers: tuple[str, ...] = ()

@@ -13,7 +13,8 @@ nothing breaks: the gateway sees only silence, and the detection time comes from
 own verdict (`gateway.core.detector.hang_detection_s`: the worker's heartbeats every
 `heartbeat_interval_s`, the detector's tick, its probe going unanswered, the correlated-silence
 guard when most of the cluster hangs at once); the local supervisor then kills and restarts it
-`hung_restart_grace_s` after that.
+`hung_restart_grace_s` after that. A `capacity` failure is no fault but a bound: the worker's
+capacity goes for its reload and nothing else is lost (`_vanish`).
 """
 
 from __future__ import annotations
@@ -272,6 +273,9 @@ class Simulation:
             for w in victims:
                 w.set_slowdown(f.slowdown, now)
             return
+        if f.kind == "capacity":
+            self._vanish(victims, now)
+            return
         if not self.balance_taken and self.policy.checkpointing:
             self.balance_taken = True
             self.balance = holder_balance(w.ckpt_tokens for w in self.workers if w.state is S.HEALTHY)
@@ -295,6 +299,35 @@ class Simulation:
         else:
             detect_at = now + self.scenario.recovery.detection_s
         self.queue.push(detect_at, ev.DETECT, tuple((w, w.incarnation) for w in victims))
+
+    def _vanish(self, victims: list[SimWorker], now: float) -> None:
+        """The capacity bound: each victim's capacity is gone for its reload, starting now, and nothing
+        else is lost. What it was running completes at once (a request not yet prefilled gets its
+        first token now, earlier than in the twin, where it had none by now either); what waited in
+        its queue is routed afresh. No request is interrupted and nothing waits for detection, so no
+        recovery mechanism can do better than this with the same reload (docs/evaluation.md)."""
+        self.reloads.struck(victims, now)
+        self.coord.begin_recovery(now)
+        for w in victims:
+            queued = set(w.waiting)
+            taken = w.kill(now)
+            w.lost, w.lost_at_kill = [], 0
+            again = [r for r in taken if r in queued]
+            for r in taken:
+                if r not in queued:
+                    if r.first_token is None:
+                        self.on_prefilled(r, now)
+                    r.emitted = r.output
+                    self.on_finished(r, now)
+            self.coord.set_state(w, S.FAILED)
+            self.coord.holder_failed(w, now)
+            if self.scenario.recovery.restart:
+                w.restart()
+                self.coord.set_state(w, S.RESTARTING)
+                self.reloads.start(w, now)
+            for r in again:
+                if not self.coord.route(r, now):
+                    self._wait(r, now)
 
     def _hang_detection(self, hung: int, now: float) -> float:
         """Seconds from `hung` workers stopping at `now` to FAILED, by the live gateway's verdict:
