@@ -83,6 +83,12 @@ def add_sim_commands(sub: Any) -> None:
         help="instead of a run: find the arrival rate (synthetic) or the trace's speedup (--trace) whose "
         "no-failure mean TTFT is S seconds",
     )
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="also run the capacity bound, a row 'bound': lumen with the failure's capacity loss only "
+        "(no work lost, no detection delay), what no recovery can beat with the same reload",
+    )
     p.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("tune", help="θ/τ (and α/β, dispatch rule) sensitivity grid on a scenario")
@@ -138,7 +144,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return _calibrate(scenario, args.calibrate_ttft, seed)
     bar = None if args.quiet else ProgressBar(scenario.workload.duration_s)
     try:
-        report = run_scenario(scenario, args.modes, seed, progress=bar)
+        report = run_scenario(scenario, args.modes, seed, progress=bar, bound=args.bound)
     except TraceError as exc:
         print(f"lumen: {exc}", file=sys.stderr)
         return 2

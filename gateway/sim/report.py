@@ -101,6 +101,13 @@ def markdown(summary: dict[str, Any]) -> str:
         "requests arriving in [failure, failure + H], H = the median of the modes' 5s/1.25x recovery "
         f"times ({_cell(base.get('window_s'), '{:.0f}')} s), the same requests for every mode.",
     ]
+    if "bound" in modes:
+        lines += [
+            "",
+            "'bound' is no mode but the capacity bound (docs/evaluation.md): lumen with each kill's "
+            "capacity loss only, nothing else lost and no detection delay, the same reload; the "
+            "distance of a mode from it is what a better checkpoint, restore or detection could win.",
+        ]
     for ref in REFERENCES:
         if ref not in modes:
             continue

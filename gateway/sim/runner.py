@@ -180,6 +180,10 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
     return out
 
 
+# `run_scenario(bound=True)`'s extra row: the capacity bound, run in this mode (its outage levers on)
+BOUND, BOUND_MODE = "bound", "lumen"
+
+
 @dataclass
 class ScenarioReport:
     scenario: Scenario
@@ -192,7 +196,7 @@ class ScenarioReport:
     workload: dict[str, Any] = field(default_factory=dict)  # what ran (workload.describe_*)
 
     def baseline_for(self, mode: str) -> RunResult:
-        return self.baselines[baseline_key(policy_for(mode))]
+        return self.baselines[baseline_key(policy_for(BOUND_MODE if mode == BOUND else mode))]
 
     def summary(self) -> dict[str, Any]:
         s = self.scenario
@@ -294,22 +298,32 @@ def _native_rate(scenario: Scenario) -> float:
     return native
 
 
+def capacity_bound(scenario: Scenario) -> Scenario:
+    """The scenario with each kill or hang turned into the capacity bound (`kind = "capacity"`: the
+    worker's capacity goes for its reload, nothing else is lost; docs/evaluation.md); slow faults stay."""
+    failures = tuple(replace(f, kind="capacity") if f.kind in ("kill", "hang") else f for f in scenario.failures)
+    return replace(scenario, failures=failures)
+
+
 def run_scenario(
     scenario: Scenario,
     modes: Sequence[str],
     seed: int,
     progress: Callable[[int, int, str, float], None] | None = None,
+    bound: bool = False,
 ) -> ScenarioReport:
-    """Every mode with failures, and each baseline they need, on one workload.
+    """Every mode with failures, and each baseline they need, on one workload; with `bound`, also
+    the capacity bound (mode lumen with `capacity_bound`'s failures), reported as mode `bound`.
 
     `progress(run_index, runs, label, simulated_time)` is called as runs advance.
     """
     policies = {m: policy_for(m) for m in modes}
-    keys = sorted({baseline_key(p) for p in policies.values()})
+    bound = bound and bool(scenario.failures)
+    keys = sorted({baseline_key(p) for p in [*policies.values(), *([policy_for(BOUND_MODE)] if bound else [])]})
     start = time.perf_counter()
     workload, info = resolve_workload(scenario, seed)
     report = ScenarioReport(scenario, seed, requests=len(workload), workload=info)
-    total = len(keys) + (len(modes) if scenario.failures else 0)
+    total = len(keys) + (len(modes) + bound if scenario.failures else 0)
     done = 0
 
     def tracker(label: str) -> Progress | None:
@@ -319,8 +333,8 @@ def run_scenario(
         return lambda t: progress(index, total, label, t)
 
     for key in keys:
-        mode = next(m for m, p in policies.items() if baseline_key(p) == key)
-        sim = Simulation(scenario, policies[mode], workload, seed, failures=False)
+        mode = next((m for m, p in policies.items() if baseline_key(p) == key), BOUND_MODE)
+        sim = Simulation(scenario, policy_for(mode), workload, seed, failures=False)
         report.baselines[key] = sim.run(tracker(f"baseline({mode})"))
         done += 1
     for m, policy in policies.items():
@@ -332,6 +346,11 @@ def run_scenario(
             run = base
         report.runs[m] = run
         report.modes[m] = metrics(run, base)
+    if bound:
+        run = Simulation(capacity_bound(scenario), policy_for(BOUND_MODE), workload, seed).run(tracker(BOUND))
+        done += 1
+        report.runs[BOUND] = run
+        report.modes[BOUND] = metrics(run, report.baseline_for(BOUND))
     common_window(report)
     report.wall_s = time.perf_counter() - start
     if progress is not None:

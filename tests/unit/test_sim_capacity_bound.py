@@ -3,6 +3,9 @@ work is lost and nothing waits for detection. What it must and must not do."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -89,3 +92,35 @@ def test_losing_no_work_costs_less_than_a_kill_when_the_work_lost_is_large() -> 
 def test_the_kind_is_validated() -> None:
     with pytest.raises(ScenarioError, match=r"failures"):
         parse_scenario({"failures": [{"at_s": 1.0, "kind": "vanish", "workers": ["w0"]}]})
+
+
+def test_run_scenario_adds_the_bound_beside_the_modes_on_lumens_twin() -> None:
+    from gateway.sim.runner import BOUND, capacity_bound, run_scenario
+
+    s = parse_scenario(
+        {
+            "cluster": {"workers": 4, "model": "Qwen3-8B", "draft_model": "Qwen3-0.6B"},
+            "workload": {"rate": 30.0, "duration_s": 40.0},
+            "failures": [{"at_s": 15.0, "workers": ["w1"]}, {"at_s": 16.0, "kind": "slow", "workers": ["w2"]}],
+        }
+    )
+    assert [f.kind for f in capacity_bound(s).failures] == ["capacity", "slow"]  # a gray failure stays
+    rep = run_scenario(s, ["stop_restart"], 1, bound=True)
+    assert set(rep.modes) == {"stop_restart", BOUND} and len(rep.baselines) == 2
+    assert rep.baseline_for(BOUND) is rep.baselines[(True, "load_aware")]
+    bound, sr = rep.modes[BOUND], rep.modes["stop_restart"]
+    assert bound["interrupted"] == 0 and sr["interrupted"] > 0 and bound["client_errors"] == 0
+    no_failure = run_scenario(replace(s, failures=()), ["lumen"], 1, bound=True)
+    assert set(no_failure.modes) == {"lumen"}  # nothing to bound
+
+
+def test_lumen_sim_bound_prints_the_row_and_says_what_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    out = tmp_path / "out"
+    args = ["sim", "--scenario", "paper-4w", "--out", str(out), "--duration", "150", "--modes", "lumen"]
+    assert main([*args, "--bound", "--quiet", "--no-plots"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["modes"]) == {"lumen", "bound"} and summary["runs"] == 3
+    md = (out / "summary.md").read_text()
+    assert "| bound |" in md and "capacity bound" in md
