@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
                 jobs.append((name, over, [over.pop("mode", "lumen")]))
             for vname, over, modes in jobs:
                 s = apply(base, over)
-                rep = run_scenario(s, modes, seed)
+                rep = run_scenario(s, modes, seed, jobs=args.jobs)
                 if modes != ["lumen"] and not vname.startswith("base-"):
                     rep.modes = {"lumen": rep.modes[modes[0]]}
                     rep.runs = {"lumen": rep.runs[modes[0]]}
@@ -351,6 +351,7 @@ def main() -> int:
     r.add_argument("--variants", default="", help='JSON {"name": {"section.key": value}}')
     r.add_argument("--baseline-reload", default="disk,peer")
     r.add_argument("--out", default="out/levers17")
+    r.add_argument("--jobs", type=int, default=1, help="runs at once, in processes (the same results)")
     r.set_defaults(func=run)
     t = sub.add_parser("table")
     t.add_argument("--out", default="out/levers17")

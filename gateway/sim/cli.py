@@ -36,6 +36,18 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _jobs(text: str) -> int:
+    from gateway.sim.pool import default_jobs
+
+    try:
+        n = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a whole number of runs, got {text!r}") from exc
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: one per CPU), got {n}")
+    return n or default_jobs()
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scenario",
@@ -88,6 +100,14 @@ def add_sim_commands(sub: Any) -> None:
         action="store_true",
         help="also run the capacity bound, a row 'bound': lumen with the failure's capacity loss only "
         "(no work lost, no detection delay), what no recovery can beat with the same reload",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_jobs,
+        default="0",
+        metavar="N",
+        help="runs at once, each in its own process (default 0: one per CPU; 1: in turn, in this "
+        "process); the results are the same, each process holds one run in memory",
     )
     p.set_defaults(func=cmd_sim)
 
@@ -144,7 +164,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return _calibrate(scenario, args.calibrate_ttft, seed)
     bar = None if args.quiet else ProgressBar(scenario.workload.duration_s)
     try:
-        report = run_scenario(scenario, args.modes, seed, progress=bar, bound=args.bound)
+        report = run_scenario(scenario, args.modes, seed, progress=bar, bound=args.bound, jobs=args.jobs)
     except TraceError as exc:
         print(f"lumen: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from gateway.core import evaluation as ev
 from gateway.core import excess as ex
 from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import RecoveryPolicy, policy_for
+from gateway.sim.pool import Job, run_all
 from gateway.sim.result import RunResult
 from gateway.sim.scenario import SCENARIO_DIR, Scenario
 from gateway.sim.simulation import Simulation
@@ -311,50 +312,44 @@ def run_scenario(
     seed: int,
     progress: Callable[[int, int, str, float], None] | None = None,
     bound: bool = False,
+    jobs: int = 1,
 ) -> ScenarioReport:
     """Every mode with failures, and each baseline they need, on one workload; with `bound`, also
     the capacity bound (mode lumen with `capacity_bound`'s failures), reported as mode `bound`.
+    `jobs` runs at once, in processes (gateway/sim/pool.py: the same results, less wall time).
 
     `progress(run_index, runs, label, simulated_time)` is called as runs advance.
     """
     policies = {m: policy_for(m) for m in modes}
     bound = bound and bool(scenario.failures)
-    keys = sorted({baseline_key(p) for p in [*policies.values(), *([policy_for(BOUND_MODE)] if bound else [])]})
+    needed = [*policies.values(), *([policy_for(BOUND_MODE)] if bound else [])]
+    keys = sorted({baseline_key(p) for p in needed})
     start = time.perf_counter()
     workload, info = resolve_workload(scenario, seed)
     report = ScenarioReport(scenario, seed, requests=len(workload), workload=info)
-    total = len(keys) + (len(modes) + bound if scenario.failures else 0)
-    done = 0
-
-    def tracker(label: str) -> Progress | None:
-        if progress is None:
-            return None
-        index = done
-        return lambda t: progress(index, total, label, t)
-
+    plan: list[Job] = []
     for key in keys:
         mode = next((m for m, p in policies.items() if baseline_key(p) == key), BOUND_MODE)
-        sim = Simulation(scenario, policy_for(mode), workload, seed, failures=False)
-        report.baselines[key] = sim.run(tracker(f"baseline({mode})"))
-        done += 1
+        plan.append(Job(f"baseline({mode})", scenario, mode, failures=False))
+    if scenario.failures:
+        plan += [Job(m, scenario, m, failures=True) for m in policies]
+        if bound:
+            plan.append(Job(BOUND, capacity_bound(scenario), BOUND_MODE, failures=True))
+    results = iter(run_all(plan, workload, seed, progress, jobs))
+    for key in keys:
+        report.baselines[key] = next(results)
     for m, policy in policies.items():
         base = report.baselines[baseline_key(policy)]
-        if scenario.failures:
-            run = Simulation(scenario, policy, workload, seed).run(tracker(m))
-            done += 1
-        else:
-            run = base
+        run = next(results) if scenario.failures else base
         report.runs[m] = run
         report.modes[m] = metrics(run, base)
     if bound:
-        run = Simulation(capacity_bound(scenario), policy_for(BOUND_MODE), workload, seed).run(tracker(BOUND))
-        done += 1
-        report.runs[BOUND] = run
+        report.runs[BOUND] = run = next(results)
         report.modes[BOUND] = metrics(run, report.baseline_for(BOUND))
     common_window(report)
     report.wall_s = time.perf_counter() - start
     if progress is not None:
-        progress(total, total, "done", 0.0)
+        progress(len(plan), len(plan), "done", 0.0)
     return report
 
 

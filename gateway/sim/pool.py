@@ -1,0 +1,117 @@
+"""Several simulated runs of one workload, one after another or in worker processes at once.
+
+Every run is deterministic and independent of the others (its scenario, policy, workload and seed
+decide it), so running them in processes gives exactly the results of running them in turn; only
+the wall time changes. Processes are spawned (not forked: the caller may hold threads), each takes
+runs from the queue and sends back its `RunResult`; progress comes back through a queue, throttled.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.core.modes import policy_for
+from gateway.sim.result import RunResult
+from gateway.sim.scenario import Scenario
+from gateway.sim.simulation import Simulation
+from gateway.sim.workload import Workload
+
+# progress(run_index, runs, label, simulated_time), as `run_scenario` takes it
+Progress = Callable[[int, int, str, float], None]
+PROGRESS_EVERY_S = 0.2  # a child reports its simulated time at most this often
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    label: str  # what the progress line calls it
+    scenario: Scenario
+    mode: str
+    failures: bool  # False: the no-failure twin
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def run_all(
+    plan: Sequence[Job], workload: Workload, seed: int, progress: Progress | None = None, jobs: int = 1
+) -> list[RunResult]:
+    """Each job's result, in the plan's order; `jobs` runs at once (1: in this process, in turn)."""
+    if jobs <= 1 or len(plan) <= 1:
+        return [_serial(i, job, workload, seed, len(plan), progress) for i, job in enumerate(plan)]
+    return _parallel(plan, workload, seed, progress, min(jobs, len(plan)))
+
+
+def _serial(i: int, job: Job, workload: Workload, seed: int, runs: int, progress: Progress | None) -> RunResult:
+    sim = Simulation(job.scenario, policy_for(job.mode), workload, seed, failures=job.failures)
+    return sim.run(None if progress is None else (lambda t: progress(i, runs, job.label, t)))
+
+
+# -- processes ---------------------------------------------------------------------------------------
+_child_queue: Any = None
+
+
+def _child_init(q: Any) -> None:
+    global _child_queue
+    _child_queue = q
+
+
+def _child_run(i: int, job: Job, workload: Workload, seed: int) -> RunResult:
+    last = [0.0]
+
+    def report(t: float) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            _child_queue.put((i, t))
+
+    sim = Simulation(job.scenario, policy_for(job.mode), workload, seed, failures=job.failures)
+    return sim.run(report if _child_queue is not None else None)
+
+
+def _parallel(plan: Sequence[Job], workload: Workload, seed: int, progress: Progress | None, jobs: int) -> list[RunResult]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue() if progress is not None else None
+    horizon = max(1e-9, max(job.scenario.workload.duration_s for job in plan))
+    at = [0.0] * len(plan)  # each run's fraction done
+    results: list[RunResult | None] = [None] * len(plan)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_child_init, initargs=(q,)) as pool:
+        pending: dict[Future[RunResult], int] = {
+            pool.submit(_child_run, i, job, workload, seed): i for i, job in enumerate(plan)
+        }
+        while pending:
+            done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
+            for f in done:
+                i = pending.pop(f)
+                results[i] = f.result()
+                at[i] = 1.0
+            if progress is not None and q is not None and pending:
+                _drain(q, at, horizon)
+                # shown as the runs finished plus the least advanced of those running (an underestimate)
+                finished = len(plan) - len(pending)
+                behind = min(pending.values(), key=lambda i: at[i])
+                others = sum(1 for i in pending.values() if at[i] > 0.0) - 1
+                label = plan[behind].label + (f" (+{others} running)" if others > 0 else "")
+                progress(finished, len(plan), label, at[behind] * horizon)
+    return [r for r in results if r is not None]
+
+
+def _drain(q: Any, at: list[float], horizon: float) -> None:
+    while True:
+        try:
+            i, t = q.get_nowait()
+        except queue_mod.Empty:
+            return
+        if at[i] < 1.0:
+            at[i] = min(0.999, t / horizon)

@@ -1,0 +1,42 @@
+"""Runs in processes (`run_scenario(jobs=N)`, `lumen sim --jobs N`) give exactly the runs in turn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+from gateway.sim.pool import default_jobs
+from gateway.sim.runner import run_scenario
+from gateway.sim.scenario import parse_scenario
+
+
+def test_runs_in_processes_equal_runs_in_turn_and_report_progress() -> None:
+    s = parse_scenario(
+        {
+            "cluster": {"workers": 4, "model": "Qwen3-8B", "draft_model": "Qwen3-0.6B"},
+            "workload": {"rate": 40.0, "duration_s": 40.0},
+            "failures": [{"at_s": 15.0, "workers": ["w1"]}],
+        }
+    )
+    modes = ["stop_restart", "fixed_checkpoint", "lumen"]
+    seen: list[tuple[int, int, str]] = []
+    serial = run_scenario(s, modes, 3, bound=True)
+    parallel = run_scenario(s, modes, 3, bound=True, jobs=2, progress=lambda i, n, label, t: seen.append((i, n, label)))
+    a, b = serial.summary(), parallel.summary()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
+    assert list(serial.runs) == list(parallel.runs) == [*modes, "bound"]
+    for m in serial.runs:
+        assert serial.runs[m].records == parallel.runs[m].records
+    assert seen and seen[-1] == (7, 7, "done") and all(n == 7 for _, n, _ in seen)
+
+
+def test_jobs_is_validated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("-1", "two"):
+        with pytest.raises(SystemExit) as exc:
+            main(["sim", "--scenario", "paper-4w", "--out", str(tmp_path), "--jobs", bad])
+        assert exc.value.code == 2
+        assert "--jobs" in capsys.readouterr().err
+    assert default_jobs() >= 1
