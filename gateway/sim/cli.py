@@ -79,6 +79,14 @@ def _common(p: argparse.ArgumentParser) -> None:
         choices=RELOAD_SOURCES,
         help="where a restart's full weights come from: disk, or a seed survivor (default: the scenario's)",
     )
+    p.add_argument(
+        "--jobs",
+        type=_jobs,
+        default="0",
+        metavar="N",
+        help="runs at once, each in its own process (default 0: one per CPU; 1: in turn, in this "
+        "process); the results are the same, each process holds one run in memory",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
 
@@ -100,14 +108,6 @@ def add_sim_commands(sub: Any) -> None:
         action="store_true",
         help="also run the capacity bound, a row 'bound': lumen with the failure's capacity loss only "
         "(no work lost, no detection delay), what no recovery can beat with the same reload",
-    )
-    p.add_argument(
-        "--jobs",
-        type=_jobs,
-        default="0",
-        metavar="N",
-        help="runs at once, each in its own process (default 0: one per CPU; 1: in turn, in this "
-        "process); the results are the same, each process holds one run in memory",
     )
     p.set_defaults(func=cmd_sim)
 
@@ -228,7 +228,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 2
     bar = None if args.quiet else ProgressBar(scenario.workload.duration_s)
     try:
-        result = tune(scenario, grid, seed, args.mode, progress=bar)
+        result = tune(scenario, grid, seed, args.mode, progress=bar, jobs=args.jobs)
     except TraceError as exc:
         print(f"lumen: {exc}", file=sys.stderr)
         return 2

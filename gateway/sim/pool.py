@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.core.modes import policy_for
+from gateway.core.modes import RecoveryPolicy
 from gateway.sim.result import RunResult
 from gateway.sim.scenario import Scenario
 from gateway.sim.simulation import Simulation
@@ -32,7 +32,7 @@ PROGRESS_EVERY_S = 0.2  # a child reports its simulated time at most this often
 class Job:
     label: str  # what the progress line calls it
     scenario: Scenario
-    mode: str
+    policy: RecoveryPolicy
     failures: bool  # False: the no-failure twin
 
 
@@ -54,7 +54,7 @@ def run_all(
 
 
 def _serial(i: int, job: Job, workload: Workload, seed: int, runs: int, progress: Progress | None) -> RunResult:
-    sim = Simulation(job.scenario, policy_for(job.mode), workload, seed, failures=job.failures)
+    sim = Simulation(job.scenario, job.policy, workload, seed, failures=job.failures)
     return sim.run(None if progress is None else (lambda t: progress(i, runs, job.label, t)))
 
 
@@ -76,7 +76,7 @@ def _child_run(i: int, job: Job, workload: Workload, seed: int) -> RunResult:
             last[0] = now
             _child_queue.put((i, t))
 
-    sim = Simulation(job.scenario, policy_for(job.mode), workload, seed, failures=job.failures)
+    sim = Simulation(job.scenario, job.policy, workload, seed, failures=job.failures)
     return sim.run(report if _child_queue is not None else None)
 
 

@@ -330,11 +330,11 @@ def run_scenario(
     plan: list[Job] = []
     for key in keys:
         mode = next((m for m, p in policies.items() if baseline_key(p) == key), BOUND_MODE)
-        plan.append(Job(f"baseline({mode})", scenario, mode, failures=False))
+        plan.append(Job(f"baseline({mode})", scenario, policy_for(mode), failures=False))
     if scenario.failures:
-        plan += [Job(m, scenario, m, failures=True) for m in policies]
+        plan += [Job(m, scenario, p, failures=True) for m, p in policies.items()]
         if bound:
-            plan.append(Job(BOUND, capacity_bound(scenario), BOUND_MODE, failures=True))
+            plan.append(Job(BOUND, capacity_bound(scenario), policy_for(BOUND_MODE), failures=True))
     results = iter(run_all(plan, workload, seed, progress, jobs))
     for key in keys:
         report.baselines[key] = next(results)

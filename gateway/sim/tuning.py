@@ -24,10 +24,10 @@ from typing import Any
 from gateway.core import evaluation as ev
 from gateway.core import excess as ex
 from gateway.core.modes import DispatchRule, policy_for
+from gateway.sim.pool import Job, run_all
 from gateway.sim.result import RunResult
 from gateway.sim.runner import ROBUST_SLACK, ROBUST_WINDOW_S, build_workload
 from gateway.sim.scenario import Scenario
-from gateway.sim.simulation import Simulation
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,46 +63,40 @@ def tune(
     seed: int,
     mode: str = "lumen",
     progress: Callable[[int, int, str, float], None] | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     if not scenario.failures:
         raise ValueError(f"scenario {scenario.name!r} has no failures: nothing to tune")
     start = time.perf_counter()
     base_policy = policy_for(mode)
     workload = build_workload(scenario, seed)
-    total, done = grid.runs, 0
-    rows: list[tuple[dict[str, Any], RunResult, RunResult]] = []
-
-    def run(s: Scenario, rule: DispatchRule, label: str, failures: bool) -> RunResult:
-        nonlocal done
-        policy = replace(base_policy, dispatch=rule)
-        report = None if progress is None else (lambda t: progress(done, total, label, t))
-        result = Simulation(s, policy, workload, seed, failures=failures).run(report)
-        done += 1
-        return result
-
+    # the plan: per (α, β) its no-failure twin, then a failure run per cell; run in turn or at once
+    plan: list[Job] = []
+    cells: list[tuple[dict[str, Any], int]] = []  # (point, the index of its twin in the plan)
     for alpha in grid.alphas:
         for beta in grid.betas:
             rec = replace(scenario.recovery, alpha=alpha, beta=beta)
             s_ab = replace(scenario, recovery=rec)
-            base = run(s_ab, DispatchRule.THRESHOLD, f"baseline α={alpha:g} β={beta:g}", failures=False)
-            cells: list[tuple[DispatchRule, float | None, int | None]] = []
+            twin_at = len(plan)
+            policy = replace(base_policy, dispatch=DispatchRule.THRESHOLD)
+            plan.append(Job(f"baseline α={alpha:g} β={beta:g}", s_ab, policy, failures=False))
+            grid_cells: list[tuple[DispatchRule, float | None, int | None]] = []
             if "threshold" in grid.rules:
-                cells += [(DispatchRule.THRESHOLD, t, u) for t in grid.thetas for u in grid.taus]
+                grid_cells += [(DispatchRule.THRESHOLD, t, u) for t in grid.thetas for u in grid.taus]
             if "cost" in grid.rules:
-                cells.append((DispatchRule.COST, None, None))
-            for rule, theta, tau in cells:
+                grid_cells.append((DispatchRule.COST, None, None))
+            for rule, theta, tau in grid_cells:
                 s = s_ab
                 if theta is not None and tau is not None:
                     s = replace(s_ab, recovery=replace(rec, theta=theta, tau=tau))
-                result = run(s, rule, f"θ={theta} τ={tau} {rule}", failures=True)
-                point: dict[str, Any] = {
-                    "theta": theta,
-                    "tau": tau,
-                    "alpha": alpha,
-                    "beta": beta,
-                    "rule": rule,
-                }
-                rows.append((point, result, base))
+                policy = replace(base_policy, dispatch=rule)
+                plan.append(Job(f"θ={theta} τ={tau} {rule}", s, policy, failures=True))
+                cells.append(({"theta": theta, "tau": tau, "alpha": alpha, "beta": beta, "rule": rule}, twin_at))
+    results = run_all(plan, workload, seed, progress, jobs)
+    if progress is not None:
+        progress(len(plan), len(plan), "done", 0.0)
+    failure_runs = [i for i, job in enumerate(plan) if job.failures]
+    rows = [(point, results[i], results[at]) for (point, at), i in zip(cells, failure_runs, strict=True)]
 
     recoveries: list[float] = []
     for point, result, base in rows:

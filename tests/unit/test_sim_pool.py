@@ -40,3 +40,19 @@ def test_jobs_is_validated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert exc.value.code == 2
         assert "--jobs" in capsys.readouterr().err
     assert default_jobs() >= 1
+
+
+def test_a_tuning_grid_in_processes_equals_the_grid_in_turn() -> None:
+    from gateway.sim.tuning import Grid, tune
+
+    s = parse_scenario(
+        {
+            "cluster": {"workers": 4, "model": "Qwen3-8B", "draft_model": "Qwen3-0.6B"},
+            "workload": {"rate": 40.0, "duration_s": 30.0},
+            "failures": [{"at_s": 10.0, "workers": ["w1"]}],
+        }
+    )
+    grid = Grid((1.0, 3.0), (0, 512), (1.0,), (1.0,), ("threshold", "cost"))
+    serial, parallel = tune(s, grid, 2), tune(s, grid, 2, jobs=2)
+    serial.pop("wall_s"), parallel.pop("wall_s")
+    assert serial == parallel and len(serial["grid"]) == 4 and len(serial["cost_rule"]) == 1
