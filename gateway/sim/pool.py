@@ -90,21 +90,38 @@ def _parallel(plan: Sequence[Job], workload: Workload, seed: int, progress: Prog
         pending: dict[Future[RunResult], int] = {
             pool.submit(_child_run, i, job, workload, seed): i for i, job in enumerate(plan)
         }
-        while pending:
-            done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
-            for f in done:
-                i = pending.pop(f)
-                results[i] = f.result()
-                at[i] = 1.0
-            if progress is not None and q is not None and pending:
-                _drain(q, at, horizon)
-                # shown as the runs finished plus the least advanced of those running (an underestimate)
-                finished = len(plan) - len(pending)
-                behind = min(pending.values(), key=lambda i: at[i])
-                others = sum(1 for i in pending.values() if at[i] > 0.0) - 1
-                label = plan[behind].label + (f" (+{others} running)" if others > 0 else "")
-                progress(finished, len(plan), label, at[behind] * horizon)
+        try:
+            _collect(pending, results, at, plan, q, horizon, progress)
+        except BaseException:  # a run failed (or ^C): drop the runs not started, then raise
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return [r for r in results if r is not None]
+
+
+def _collect(
+    pending: dict[Future[RunResult], int],
+    results: list[RunResult | None],
+    at: list[float],
+    plan: Sequence[Job],
+    q: Any,
+    horizon: float,
+    progress: Progress | None,
+) -> None:
+    """Wait for every run, showing progress from the children's reports."""
+    while pending:
+        done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
+        for f in done:
+            i = pending.pop(f)
+            results[i] = f.result()
+            at[i] = 1.0
+        if progress is not None and q is not None and pending:
+            _drain(q, at, horizon)
+            # shown as the runs finished plus the least advanced of those running (an underestimate)
+            finished = len(plan) - len(pending)
+            behind = min(pending.values(), key=lambda i: at[i])
+            others = sum(1 for i in pending.values() if at[i] > 0.0) - 1
+            label = plan[behind].label + (f" (+{others} running)" if others > 0 else "")
+            progress(finished, len(plan), label, at[behind] * horizon)
 
 
 def _drain(q: Any, at: list[float], horizon: float) -> None:

@@ -56,3 +56,18 @@ def test_a_tuning_grid_in_processes_equals_the_grid_in_turn() -> None:
     serial, parallel = tune(s, grid, 2), tune(s, grid, 2, jobs=2)
     serial.pop("wall_s"), parallel.pop("wall_s")
     assert serial == parallel and len(serial["grid"]) == 4 and len(serial["cost_rule"]) == 1
+
+
+def test_a_run_that_fails_in_a_process_raises_here() -> None:
+    from dataclasses import replace
+
+    from gateway.core.modes import policy_for
+    from gateway.sim.pool import Job, run_all
+    from gateway.sim.runner import build_workload
+    from gateway.sim.scenario import FailureSpec
+
+    s = parse_scenario({"cluster": {"workers": 2}, "workload": {"rate": 20.0, "duration_s": 20.0}})
+    bad = replace(s, failures=(FailureSpec(at_s=5.0, workers=("w9",)),))  # no such worker
+    plan = [Job("bad", bad, policy_for("lumen"), failures=True), Job("twin", s, policy_for("lumen"), failures=False)]
+    with pytest.raises(KeyError, match="w9"):
+        run_all(plan, build_workload(s, 1), 1, jobs=2)
