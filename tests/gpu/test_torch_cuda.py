@@ -23,6 +23,7 @@ from models.torch_config import PRESETS, parse_dtype  # noqa: E402
 from models.torch_kv_cache import PagedKVCache  # noqa: E402
 from models.torch_model import BatchItem, CausalLM  # noqa: E402
 from models.torch_weights import random_model  # noqa: E402
+from tests.fixtures.planes import introduce  # noqa: E402
 from worker_hooks.engine.handle import RequestHandle  # noqa: E402
 from worker_hooks.engine.service import Worker, start_worker  # noqa: E402
 
@@ -144,16 +145,27 @@ async def read_to_end(handle: RequestHandle, out: list[int]) -> str:
 
 
 @contextlib.asynccontextmanager
-async def workers(*ids: str) -> AsyncIterator[list[Worker]]:
+async def workers(*ids: str, device: str = CUDA) -> AsyncIterator[list[Worker]]:
+    spec = {**BASE, "torch_device": device}
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(start_worker(EngineSpec(worker_id=i, **BASE))) for i in ids]
+        started = [await stack.enter_async_context(start_worker(EngineSpec(worker_id=i, **spec))) for i in ids]
+        introduce(*started)  # what the gateway's Members does: their KV planes trust each other
+        yield started
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_cuda_workers_restore_an_interrupted_request_from_real_kv_pages(params: SamplingParams) -> None:
+    await restore_an_interrupted_request(params, CUDA)
+
+
+async def restore_an_interrupted_request(params: SamplingParams, device: str) -> None:
+    """Three torch workers on `device`: one streams a request checkpointing to another, is aborted
+    mid-stream, and the holder resumes it from the real K/V pages to exactly the uninterrupted output.
+    The default test run runs it on the CPU too (tests/integration/test_torch_engine.py), so that the
+    scenario stays in step with the workers' protocols on a machine without CUDA."""
     prompt = [(i * 37 + 11) % 256 for i in range(45)]
-    async with workers("a", "b", "ref") as (a, b, ref):
-        assert a.engine.torch is not None and a.engine.torch.device.type == "cuda"
+    async with workers("a", "b", "ref", device=device) as (a, b, ref):
+        assert a.engine.torch is not None and a.engine.torch.device.type == device
         truth: list[int] = []
         assert await read_to_end(ref.engine.submit(req("t", prompt, params)), truth) == "length"
 

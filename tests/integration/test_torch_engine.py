@@ -147,6 +147,15 @@ def pair(target: Worker, drafter: Worker, k: int = 4) -> None:
         )
 
 
+async def test_the_cuda_lanes_restore_scenario_runs_here_on_the_cpu() -> None:
+    """tests/gpu runs only where CUDA is; its restore scenario runs here too, so it cannot fall out of
+    step with the workers' protocols unseen (it once did: its workers never trusted each other's KV
+    planes, and on an H200 the holder waited for a key forever)."""
+    from tests.gpu.test_torch_cuda import GREEDY, restore_an_interrupted_request
+
+    await restore_an_interrupted_request(GREEDY, "cpu")
+
+
 @pytest.mark.parametrize("draft", ["self:2", "tiny-draft"])
 async def test_a_restarting_worker_drafts_for_a_survivor_and_outputs_stay_exact(draft: str) -> None:
     reqs = [req(f"r{i}", prompt_of(9 + 13 * i, i), GREEDY if i % 2 else SEEDED, seed=i) for i in range(4)]
