@@ -83,6 +83,11 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
 FinishType = Literal["length", "stop", "abort"]
 
 
+# the abort message of every request a Lumen worker drops when it becomes a new incarnation (fenced by
+# a gateway): the incarnation the request was sent to is gone, whichever gateway sent it
+INCARNATION_RESET_ABORT = "worker incarnation reset"
+
+
 class FinishReason(msgspec.Struct, omit_defaults=True):
     """SGLang's finish reason object: `{"type": "length", "length": n}` or `{"type": "stop", "matched": id}`
     (SGLang puts the matched stop string there when a string matched)."""

@@ -49,7 +49,8 @@ class Session:
     worker_id: str | None = None
     incarnation: int = 0
     attempts: int = 0
-    refused: int = 0  # attempts a worker refused as addressed to an incarnation it no longer is (409)
+    # attempts addressed to an incarnation the worker no longer is (a 409, or dropped at its reset)
+    refused: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     interruptions: list[Interruption] = field(default_factory=list)

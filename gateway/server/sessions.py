@@ -36,7 +36,7 @@ from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.protocol.generate import AdoptRequest, EngineKind, HolderRef
+from gateway.protocol.generate import INCARNATION_RESET_ABORT, AdoptRequest, EngineKind, HolderRef
 from gateway.protocol.sglang import SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta, attempt_rid
@@ -57,8 +57,9 @@ from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.sessions")
 
-# attempts a worker refused as addressed to an incarnation it no longer is do not count toward
-# recovery.max_attempts; in all, a session makes at most this many times max_attempts
+# attempts a worker refused as addressed to an incarnation it no longer is (409), or dropped when it
+# became a new incarnation, do not count toward recovery.max_attempts; in all, a session makes at
+# most this many times max_attempts
 STALE_REFUSALS_FACTOR = 3
 
 
@@ -181,7 +182,13 @@ class SessionManager:
                     excluded.add(worker.id)
             except WorkerLost as exc:
                 lost_reason = exc.reason
-                if exc.connection_broke:
+                if exc.incarnation_reset:
+                    # the incarnation we addressed is gone (another gateway fenced the worker; a
+                    # burst of such fences can reset several workers at once): fail it here too, so
+                    # the next pick does not address it again, and, like a 409, do not count it
+                    self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
+                    s.refused += 1
+                elif exc.connection_broke:
                     self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
                 elif exc.reason.startswith("stall"):
                     self.metrics.stalls.inc()
@@ -359,7 +366,10 @@ class SessionManager:
                     if not ids and fin is None:
                         continue
                     if fin is not None and fin.type == "abort":  # its ids were not sent: not emitted
-                        raise WorkerLost(f"worker aborted the request: {fin.message or ''}")
+                        raise WorkerLost(
+                            f"worker aborted the request: {fin.message or ''}",
+                            incarnation_reset=fin.message == INCARNATION_RESET_ABORT,
+                        )
                     lps = chunk_logprobs(s, chunk, worker.id)
                     if ids:
                         now = self.clock()

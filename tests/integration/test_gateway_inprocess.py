@@ -208,3 +208,40 @@ async def test_a_worker_that_restarted_behind_the_gateways_back_costs_no_attempt
                 assert body["choices"][0]["text"] == want
         refused = [e for e in gw.monitor.events if e.worker_id == "w0" and e.incarnation == stale]
         assert any("409 stale_epoch" in e.reason for e in refused), [e.reason for e in refused]
+
+
+async def test_a_worker_reset_by_another_gateway_costs_no_attempt_and_is_not_addressed_again() -> None:
+    """Another gateway fenced the worker streaming our request: the worker becomes a new incarnation
+    and drops the request (abort, `INCARNATION_RESET_ABORT`) before this gateway's view of it changes.
+    The gateway fails that incarnation at once, so the resume does not address it again, and the
+    attempt does not count: with recovery.max_attempts = 1 the stream still completes exactly (before,
+    a burst of such fences across workers spent a request's attempts in milliseconds: seen in
+    `lumen chaos --seed 41`, "gave up after 4 worker attempts")."""
+    async with cluster(2, **{"recovery.max_attempts": 1}) as (gw, ws, http):
+        prompt = list(b"fenced elsewhere")
+        want = expected_bytes(prompt, 200).decode()
+        got: list[str] = []
+
+        async def client() -> int:
+            async with http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True},
+            ) as r:
+                for c in await sse(r):
+                    got.extend(ch.get("text", "") for ch in c.get("choices", []))
+                return r.status
+
+        task = asyncio.create_task(client())
+        assert gw.sessions is not None
+        while not any(len(s.emitted) >= 10 for s in gw.sessions.live.values()):
+            await asyncio.sleep(0.01)
+        session = next(iter(gw.sessions.live.values()))
+        victim = next(w for w in ws if w.worker_id == session.worker_id)
+        old = gw.monitor.workers[victim.worker_id].incarnation
+        victim.engine.reset_incarnation()  # what a fence by another gateway does to the worker
+        assert await task == 200
+        assert "".join(got) == want
+        (it,) = session.interruptions
+        assert "incarnation reset" in it.reason
+        failed = [e for e in gw.monitor.events if e.worker_id == victim.worker_id and e.incarnation == old]
+        assert any(e.dst.value == "FAILED" for e in failed), [(e.dst, e.reason) for e in failed]

@@ -26,7 +26,7 @@ import structlog
 from gateway.core.costmodel import CostModel
 from gateway.core.health import Phase
 from gateway.core.outage import OutageParams, queue_first
-from gateway.protocol.generate import FinishReason, GenerateRequest
+from gateway.protocol.generate import INCARNATION_RESET_ABORT, FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
 from gateway.protocol.planes import PlaneAuth
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
@@ -226,7 +226,7 @@ class Engine:
         """Become a new incarnation: nobody trusts our in-flight requests any more (DESIGN 4.3)."""
         old = self.incarnation
         fenced = [rid for rid, h in list(self._handles.items()) if h.fenced_by_reset]
-        n = sum(1 for rid in fenced if self.abort(rid, "worker incarnation reset"))
+        n = sum(1 for rid in fenced if self.abort(rid, INCARNATION_RESET_ABORT))
         self.incarnation = max(now_us(), old + 1)
         self.ckpt.reset(self.incarnation)
         self.assist.reset()  # the gateway drops every pair of the old incarnation without telling us

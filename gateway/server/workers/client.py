@@ -40,13 +40,23 @@ _DRAIN_TIMEOUT_S = 2.0  # a finished stream's body must end within this to keep 
 class WorkerLost(Exception):
     """The stream from a worker ended without finishing: the request must resume elsewhere."""
 
-    def __init__(self, reason: str, *, connection_broke: bool = False, worker_error: bool = False) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        connection_broke: bool = False,
+        worker_error: bool = False,
+        incarnation_reset: bool = False,
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         # the TCP connection itself failed (as opposed to a stall or a fencing decision)
         self.connection_broke = connection_broke
         # the worker sent an error chunk: it is alive, but should not get this request again
         self.worker_error = worker_error
+        # the worker dropped the request because it became a new incarnation (another gateway fenced
+        # it): the incarnation addressed is gone, the worker itself is about to attach again
+        self.incarnation_reset = incarnation_reset
 
 
 class WorkerRefused(Exception):
