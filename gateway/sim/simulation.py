@@ -304,15 +304,16 @@ class Simulation:
         """The capacity bound: each victim's capacity is gone for its reload, starting now, and nothing
         else is lost. What it was running completes at once (a request not yet prefilled gets its
         first token now, earlier than in the twin, where it had none by now either); what waited in
-        its queue is routed afresh. No request is interrupted and nothing waits for detection, so no
-        recovery mechanism can do better than this with the same reload (docs/evaluation.md)."""
+        its queue is routed afresh, once the recovery (its queue order and batch limits) has begun.
+        No request is interrupted and nothing waits for detection: what a recovery could at best
+        reach with the same reload (a reference, not a theorem: docs/evaluation.md)."""
         self.reloads.struck(victims, now)
-        self.coord.begin_recovery(now)
+        again: list[SimRequest] = []
         for w in victims:
             queued = set(w.waiting)
             taken = w.kill(now)
             w.lost, w.lost_at_kill = [], 0
-            again = [r for r in taken if r in queued]
+            again += [r for r in taken if r in queued]
             for r in taken:
                 if r not in queued:
                     if r.first_token is None:
@@ -325,9 +326,10 @@ class Simulation:
                 w.restart()
                 self.coord.set_state(w, S.RESTARTING)
                 self.reloads.start(w, now)
-            for r in again:
-                if not self.coord.route(r, now):
-                    self._wait(r, now)
+        self.coord.begin_recovery(now)  # with the victims down: the boost counts them
+        for r in sorted(again, key=lambda r: r.rid):
+            if not self.coord.route(r, now):
+                self._wait(r, now)
 
     def _hang_detection(self, hung: int, now: float) -> float:
         """Seconds from `hung` workers stopping at `now` to FAILED, by the live gateway's verdict:

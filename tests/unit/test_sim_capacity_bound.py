@@ -124,3 +124,29 @@ def test_lumen_sim_bound_prints_the_row_and_says_what_it_is(tmp_path: Path, caps
     assert set(summary["modes"]) == {"lumen", "bound"} and summary["runs"] == 3
     md = (out / "summary.md").read_text()
     assert "| bound |" in md and "capacity bound" in md
+
+
+def test_the_bound_starts_lumens_recovery_with_the_victim_counted() -> None:
+    """Mode lumen keeps its outage levers under the bound: the recovery begins at the strike and the
+    survivors' batch boost counts the victim (4 workers, 1 down: 4/3 of 8 slots). With no restart
+    the recovery never ends, so the limits are still in force after the run."""
+    rng = np.random.default_rng(7)
+    n = 200
+    w = Workload(
+        np.sort(rng.uniform(0.0, 2.0, n)),
+        rng.integers(200, 1500, n).astype(np.int64),
+        rng.integers(20, 200, n).astype(np.int64),
+    )
+    s = parse_scenario(
+        {
+            "cluster": {"workers": 4, "max_running_requests": 8},
+            "workload": {"rate": 1.0},
+            "recovery": {"restart": False},
+            "failures": [{"at_s": AT, "kind": "capacity", "workers": ["w0"]}],
+        }
+    )
+    sim = Simulation(s, policy_for("lumen"), w, seed=1)
+    res = sim.run()
+    assert len(res.records) == n and not any(r.error or r.interrupted for r in res.records)
+    assert sim.coord.outage.recovering and sim.coord.outage.boost == pytest.approx(4 / 3)
+    assert [sim.coord.by_id[i].max_running for i in ("w1", "w2", "w3")] == [10, 10, 10]
