@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -48,9 +49,16 @@ def run_all(
     plan: Sequence[Job], workload: Workload, seed: int, progress: Progress | None = None, jobs: int = 1
 ) -> list[RunResult]:
     """Each job's result, in the plan's order; `jobs` runs at once (1: in this process, in turn)."""
-    if jobs <= 1 or len(plan) <= 1:
-        return [_serial(i, job, workload, seed, len(plan), progress) for i, job in enumerate(plan)]
-    return _parallel(plan, workload, seed, progress, min(jobs, len(plan)))
+    if jobs > 1 and len(plan) > 1:
+        try:
+            return _parallel(plan, workload, seed, progress, min(jobs, len(plan)))
+        except _NoProcesses as exc:  # e.g. no POSIX semaphores in a restricted container
+            print(f"lumen: cannot start worker processes ({exc.__cause__!r}); running in turn", file=sys.stderr)
+    return [_serial(i, job, workload, seed, len(plan), progress) for i, job in enumerate(plan)]
+
+
+class _NoProcesses(Exception):
+    """The pool could not be set up (before any run began)."""
 
 
 def _serial(i: int, job: Job, workload: Workload, seed: int, runs: int, progress: Progress | None) -> RunResult:
@@ -82,11 +90,15 @@ def _child_run(i: int, job: Job, workload: Workload, seed: int) -> RunResult:
 
 def _parallel(plan: Sequence[Job], workload: Workload, seed: int, progress: Progress | None, jobs: int) -> list[RunResult]:
     ctx = mp.get_context("spawn")
-    q = ctx.Queue() if progress is not None else None
+    try:
+        q = ctx.Queue() if progress is not None else None
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_child_init, initargs=(q,))
+    except OSError as exc:
+        raise _NoProcesses from exc
     horizon = max(1e-9, max(job.scenario.workload.duration_s for job in plan))
     at = [0.0] * len(plan)  # each run's fraction done
     results: list[RunResult | None] = [None] * len(plan)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_child_init, initargs=(q,)) as pool:
+    with pool:
         pending: dict[Future[RunResult], int] = {
             pool.submit(_child_run, i, job, workload, seed): i for i, job in enumerate(plan)
         }

@@ -71,3 +71,26 @@ def test_a_run_that_fails_in_a_process_raises_here() -> None:
     plan = [Job("bad", bad, policy_for("lumen"), failures=True), Job("twin", s, policy_for("lumen"), failures=False)]
     with pytest.raises(KeyError, match="w9"):
         run_all(plan, build_workload(s, 1), 1, jobs=2)
+
+
+def test_without_worker_processes_the_runs_go_in_turn(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where processes cannot be set up (a container without POSIX semaphores: OSError 38), the runs
+    go in turn in this process, with a line saying so, and give the same results."""
+
+    from gateway.sim import pool
+
+    class NoSemaphores:
+        def Queue(self) -> None:  # the multiprocessing context method
+            raise OSError(38, "Function not implemented")
+
+    s = parse_scenario(
+        {"cluster": {"workers": 2}, "workload": {"rate": 20.0, "duration_s": 20.0}, "failures": [{"at_s": 5.0, "workers": ["w1"]}]}
+    )
+    want = run_scenario(s, ["stop_restart", "lumen"], 1).summary()
+    monkeypatch.setattr(pool.mp, "get_context", lambda method: NoSemaphores())
+    got = run_scenario(s, ["stop_restart", "lumen"], 1, jobs=2, progress=lambda *a: None).summary()
+    want.pop("wall_s"), got.pop("wall_s")
+    assert got == want
+    assert "cannot start worker processes" in capsys.readouterr().err
