@@ -37,15 +37,13 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def _jobs(text: str) -> int:
-    from gateway.sim.pool import default_jobs
-
     try:
         n = int(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected a whole number of runs, got {text!r}") from exc
     if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: one per CPU), got {n}")
-    return n or default_jobs()
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: one per CPU for large runs), got {n}")
+    return n
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -82,10 +80,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--jobs",
         type=_jobs,
-        default="0",
+        default=0,
         metavar="N",
-        help="runs at once, each in its own process (default 0: one per CPU; 1: in turn, in this "
-        "process); the results are the same, each process holds one run in memory",
+        help="runs at once, each in its own process (default 0: one per CPU when each run has 20,000 "
+        "requests or more, else in turn; 1: in turn, in this process); the results are the same, each "
+        "process holds one run in memory",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")

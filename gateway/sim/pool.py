@@ -27,6 +27,8 @@ from gateway.sim.workload import Workload
 # progress(run_index, runs, label, simulated_time), as `run_scenario` takes it
 Progress = Callable[[int, int, str, float], None]
 PROGRESS_EVERY_S = 0.2  # a child reports its simulated time at most this often
+# `jobs = 0` (auto) uses processes only for runs this large: a spawned process costs ~1 s to start
+AUTO_MIN_REQUESTS = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,10 @@ def default_jobs() -> int:
 def run_all(
     plan: Sequence[Job], workload: Workload, seed: int, progress: Progress | None = None, jobs: int = 1
 ) -> list[RunResult]:
-    """Each job's result, in the plan's order; `jobs` runs at once (1: in this process, in turn)."""
+    """Each job's result, in the plan's order; `jobs` runs at once (1: in this process, in turn; 0:
+    one per CPU for runs of `AUTO_MIN_REQUESTS` requests or more, else in turn)."""
+    if jobs == 0:
+        jobs = default_jobs() if len(workload) >= AUTO_MIN_REQUESTS else 1
     if jobs > 1 and len(plan) > 1:
         try:
             return _parallel(plan, workload, seed, progress, min(jobs, len(plan)))

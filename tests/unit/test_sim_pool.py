@@ -94,3 +94,22 @@ def test_without_worker_processes_the_runs_go_in_turn(
     want.pop("wall_s"), got.pop("wall_s")
     assert got == want
     assert "cannot start worker processes" in capsys.readouterr().err
+
+
+def test_auto_jobs_keep_small_runs_in_this_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`jobs = 0` (the CLI's default) starts processes only for runs large enough to pay for them:
+    a small workload never touches multiprocessing (a broken context is not even asked)."""
+    from gateway.sim import pool
+
+    def broken(method: str) -> None:
+        raise AssertionError("a small run asked for worker processes")
+
+    s = parse_scenario(
+        {"cluster": {"workers": 2}, "workload": {"rate": 20.0, "duration_s": 20.0}, "failures": [{"at_s": 5.0, "workers": ["w1"]}]}
+    )
+    monkeypatch.setattr(pool.mp, "get_context", broken)
+    rep = run_scenario(s, ["stop_restart", "lumen"], 1, jobs=0)
+    assert rep.requests < pool.AUTO_MIN_REQUESTS and set(rep.modes) == {"stop_restart", "lumen"}
+    assert "cannot start" not in capsys.readouterr().err
