@@ -182,14 +182,11 @@ class SessionManager:
                     excluded.add(worker.id)
             except WorkerLost as exc:
                 lost_reason = exc.reason
-                if exc.incarnation_reset:
-                    # the incarnation we addressed is gone (another gateway fenced the worker; a
-                    # burst of such fences can reset several workers at once): fail it here too, so
-                    # the next pick does not address it again, and, like a 409, do not count it
+                if exc.incarnation_reset or exc.connection_broke:
+                    # the incarnation is gone: fail it here too, so the next pick does not address it;
+                    # a reset (another gateway fenced the worker), like a 409, costs no attempt
                     self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
-                    s.refused += 1
-                elif exc.connection_broke:
-                    self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
+                    s.refused += int(exc.incarnation_reset)
                 elif exc.reason.startswith("stall"):
                     self.metrics.stalls.inc()
                     excluded.add(worker.id)

@@ -14,7 +14,7 @@ own verdict (`gateway.core.detector.hang_detection_s`: the worker's heartbeats e
 `heartbeat_interval_s`, the detector's tick, its probe going unanswered, the correlated-silence
 guard when most of the cluster hangs at once); the local supervisor then kills and restarts it
 `hung_restart_grace_s` after that. A `capacity` failure is no fault but a bound: the worker's
-capacity goes for its reload and nothing else is lost (`_vanish`).
+capacity goes for its reload and nothing else is lost (gateway/sim/bound.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from gateway.core.outage import OutageParams
 from gateway.core.pairing import PairingParams
 from gateway.core.types import LoadParams
 from gateway.sim import events as ev
+from gateway.sim.bound import vanish
 from gateway.sim.coordinator import Coordinator, assist_gate, lag_per_token
 from gateway.sim.events import EventQueue
 from gateway.sim.gray import SimGray
@@ -169,7 +170,7 @@ class Simulation:
                     if i < n:
                         ta, sa = arrivals[i], next(seq)
                     if not self.coord.route(r, t):
-                        self._wait(r, t)
+                        self.wait_for_worker(r, t)
                 elif heap:
                     t, _, kind, a, b = pop(heap)
                     events += 1
@@ -228,7 +229,7 @@ class Simulation:
         """A degraded worker's request resumes elsewhere through recovery dispatch (or waits)."""
         self._interrupt(r)
         if not self.coord.recover(r, w, now):
-            self._wait(r, now)
+            self.wait_for_worker(r, now)
 
     # -- engine callbacks (EngineHost) --------------------------------------------------------------
     def on_prefilled(self, r: SimRequest, now: float) -> None:
@@ -258,7 +259,7 @@ class Simulation:
         self.coord.release(r)
         self.open -= 1
 
-    def _wait(self, r: SimRequest, now: float) -> None:
+    def wait_for_worker(self, r: SimRequest, now: float) -> None:
         """No HEALTHY worker: wait at the gateway for one (live gateway: `no_worker_wait_s`)."""
         r.worker = None
         self.gw_waiting.append(r)
@@ -274,7 +275,7 @@ class Simulation:
                 w.set_slowdown(f.slowdown, now)
             return
         if f.kind == "capacity":
-            self._vanish(victims, now)
+            vanish(self, victims, now)
             return
         if not self.balance_taken and self.policy.checkpointing:
             self.balance_taken = True
@@ -299,37 +300,6 @@ class Simulation:
         else:
             detect_at = now + self.scenario.recovery.detection_s
         self.queue.push(detect_at, ev.DETECT, tuple((w, w.incarnation) for w in victims))
-
-    def _vanish(self, victims: list[SimWorker], now: float) -> None:
-        """The capacity bound: each victim's capacity is gone for its reload, starting now, and nothing
-        else is lost. What it was running completes at once (a request not yet prefilled gets its
-        first token now, earlier than in the twin, where it had none by now either); what waited in
-        its queue is routed afresh, once the recovery (its queue order and batch limits) has begun.
-        No request is interrupted and nothing waits for detection: what a recovery could at best
-        reach with the same reload (a reference, not a theorem: docs/evaluation.md)."""
-        self.reloads.struck(victims, now)
-        again: list[SimRequest] = []
-        for w in victims:
-            queued = set(w.waiting)
-            taken = w.kill(now)
-            w.lost, w.lost_at_kill = [], 0
-            again += [r for r in taken if r in queued]
-            for r in taken:
-                if r not in queued:
-                    if r.first_token is None:
-                        self.on_prefilled(r, now)
-                    r.emitted = r.output
-                    self.on_finished(r, now)
-            self.coord.set_state(w, S.FAILED)
-            self.coord.holder_failed(w, now)
-            if self.scenario.recovery.restart:
-                w.restart()
-                self.coord.set_state(w, S.RESTARTING)
-                self.reloads.start(w, now)
-        self.coord.begin_recovery(now)  # with the victims down: the boost counts them
-        for r in sorted(again, key=lambda r: r.rid):
-            if not self.coord.route(r, now):
-                self._wait(r, now)
 
     def _hang_detection(self, hung: int, now: float) -> float:
         """Seconds from `hung` workers stopping at `now` to FAILED, by the live gateway's verdict:
@@ -372,7 +342,7 @@ class Simulation:
             if not self.policy.failover:
                 self._fail(r, now)
             elif not coord.recover(r, w, now):
-                self._wait(r, now)
+                self.wait_for_worker(r, now)
         if not self.scenario.recovery.restart:
             return
         for w in failed:

@@ -76,6 +76,23 @@ async def sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
     return out
 
 
+async def stream_text(http: aiohttp.ClientSession, prompt: list[int], n: int, got: list[str]) -> int:
+    """One greedy streaming completion, its text appended to `got` as it comes; the HTTP status."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    async with http.post("/v1/completions", json=body) as r:
+        for c in await sse(r):
+            got.extend(ch.get("text", "") for ch in c.get("choices", []))
+        return r.status
+
+
+async def streaming_session(gw: Gateway) -> Any:
+    """The gateway's one live session, once it has streamed 10 tokens."""
+    assert gw.sessions is not None
+    while not any(len(s.emitted) >= 10 for s in gw.sessions.live.values()):
+        await asyncio.sleep(0.01)
+    return next(iter(gw.sessions.live.values()))
+
+
 async def test_completions_stream_and_not_are_exact() -> None:
     async with cluster() as (_gw, _ws, http):
         prompt = list(b"The quick brown fox")
@@ -168,20 +185,8 @@ async def test_worker_shutdown_mid_stream_resumes_on_the_other_worker() -> None:
         prompt = list(b"resume me please")
         want = expected_bytes(prompt, 200).decode()
         got: list[str] = []
-
-        async def client() -> None:
-            async with http.post(
-                "/v1/completions",
-                json={"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True},
-            ) as r:
-                for c in await sse(r):
-                    got.extend(ch["text"] for ch in c["choices"])
-
-        task = asyncio.create_task(client())
-        assert gw.sessions is not None
-        while not any(len(s.emitted) >= 10 for s in gw.sessions.live.values()):
-            await asyncio.sleep(0.01)
-        session = next(iter(gw.sessions.live.values()))
+        task = asyncio.create_task(stream_text(http, prompt, 200, got))
+        session = await streaming_session(gw)
         victim = next(w for w in ws if w.worker_id == session.worker_id)
         await victim.engine.stop()  # its streams end with an abort: the gateway must resume elsewhere
         await task
@@ -221,21 +226,8 @@ async def test_a_worker_reset_by_another_gateway_costs_no_attempt_and_is_not_add
         prompt = list(b"fenced elsewhere")
         want = expected_bytes(prompt, 200).decode()
         got: list[str] = []
-
-        async def client() -> int:
-            async with http.post(
-                "/v1/completions",
-                json={"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True},
-            ) as r:
-                for c in await sse(r):
-                    got.extend(ch.get("text", "") for ch in c.get("choices", []))
-                return r.status
-
-        task = asyncio.create_task(client())
-        assert gw.sessions is not None
-        while not any(len(s.emitted) >= 10 for s in gw.sessions.live.values()):
-            await asyncio.sleep(0.01)
-        session = next(iter(gw.sessions.live.values()))
+        task = asyncio.create_task(stream_text(http, prompt, 200, got))
+        session = await streaming_session(gw)
         victim = next(w for w in ws if w.worker_id == session.worker_id)
         old = gw.monitor.workers[victim.worker_id].incarnation
         victim.engine.reset_incarnation()  # what a fence by another gateway does to the worker

@@ -53,7 +53,7 @@ class HeapArrivals(Simulation):
                 if a + 1 < len(arrivals):
                     q.push(arrivals[a + 1], ev.ARRIVAL, a + 1)
                 if not self.coord.route(r, t):
-                    self._wait(r, t)
+                    self.wait_for_worker(r, t)
             elif kind == ev.STEP:
                 a.on_step(t, b)
             else:
