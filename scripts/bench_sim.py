@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_sim.py speed --minutes 5 --mode lumen --profile /tmp/sim.prof
     .venv/bin/python scripts/bench_sim.py golden --out /tmp/sim_golden      # record fingerprints
     .venv/bin/python scripts/bench_sim.py golden --check /tmp/sim_golden    # compare against them
+    .venv/bin/python scripts/bench_sim.py --native speed ...   # on the compiled modules (lumen native build)
 
 `speed` runs one simulation of the scenario at its own (calibrated) rate for `--minutes` simulated
 minutes of arrivals and prints CPU seconds (`time.process_time`, the primary figure: on a shared
@@ -20,6 +21,7 @@ import argparse
 import cProfile
 import hashlib
 import json
+import os
 import pstats
 import sys
 import time
@@ -28,6 +30,7 @@ from typing import Any
 
 from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import policy_for
+from gateway.sim import native
 from gateway.sim.result import RunResult
 from gateway.sim.runner import build_workload, run_scenario, with_overrides
 from gateway.sim.scenario import load_scenario
@@ -130,7 +133,9 @@ def cmd_speed(args: argparse.Namespace) -> int:
         f"requests={len(workload)} events={result.stats.events} simulated={horizon:.0f} s of arrivals "
         f"(run ends at {result.simulated_s:.1f} s)\n"
         f"CPU {cpu:.2f} s, wall {wall:.2f} s  ->  per simulated hour: CPU {cpu * per_hour:.1f} s, "
-        f"wall {wall * per_hour:.1f} s" + ("  (under cProfile: inflated)" if profiler is not None else "")
+        f"wall {wall * per_hour:.1f} s"
+        + ("  (under cProfile: inflated)" if profiler is not None else "")
+        + ("  [compiled modules]" if native.active() else "  [interpreted]")
     )
     if profiler is not None:
         profiler.dump_stats(args.profile)
@@ -140,6 +145,11 @@ def cmd_speed(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--native",
+        action="store_true",
+        help="run on the compiled modules (gateway/sim/native.py; build first)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("speed", help="CPU and wall seconds per simulated hour of one run")
     s.add_argument("--scenario", default="scale-64")
@@ -156,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--only", help="comma-separated case names")
     g.set_defaults(func=cmd_golden)
     args = p.parse_args(argv)
+    if args.native and not native.active():
+        lib = native.ready()
+        if lib is None:
+            print(f"--native: {native.status()}", file=sys.stderr)
+            return 2
+        sys.stdout.flush()
+        argv = [sys.executable, *sys.argv] if argv is None else [sys.executable, sys.argv[0], *argv]
+        os.execve(sys.executable, argv, {**os.environ, native.ENV: str(lib)})
     return int(args.func(args))
 
 

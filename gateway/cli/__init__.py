@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    command_line = argv is None  # from the command line (a command may then restart itself)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sglang-agent"]:  # every flag, --help and the arguments after -- are the agent's
         return exec_sglang_agent(argv[1:])
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     args.tail = tail
+    # the whole command line, for a command that starts itself again (`lumen sim --native`)
+    args.command_line = list(sys.argv[1:]) if command_line else None
     from gateway.config import ConfigError
 
     try:

@@ -3,15 +3,21 @@
 The gateway's view is exact at each decision (no heartbeat lag), except that a dead worker keeps the
 load it had when it died, plus what was sent to it since, until the failure is detected. Workers
 report their changes (`SimWorker.mark_dirty`) and `view()` refreshes only those.
+
+A WorkerView is a frozen value; this module alone changes the simulated gateway's entries, through
+`object.__setattr__` (`_set`), because it owns its view alone: no decision keeps a view or an entry
+across a change (every decision reads the view and returns). The live gateway makes a new WorkerView
+for every change. (`_set` is the same call whether this module runs interpreted or compiled,
+gateway/sim/native.py; a subclass that allows assignment would cost no less interpreted, and
+compiled classes cannot be subclassed so.)
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from gateway.core.types import ClusterView, WorkerView
-from gateway.sim.fastvalues import SeenWorker
 from gateway.sim.worker import SimWorker
+
+_set = object.__setattr__  # a field of an entry this module owns (see the module's docstring)
 
 
 class SeenCluster:
@@ -34,7 +40,7 @@ class SeenCluster:
 
     def _view_of(self, w: SimWorker) -> WorkerView:
         """A new entry for w, as it is now (one per worker, changed in place from then on)."""
-        return SeenWorker(
+        return WorkerView(
             w.id,
             w.state,
             w.incarnation,
@@ -53,7 +59,7 @@ class SeenCluster:
         """The gateway's view: the previous one updated for the workers marked dirty since.
 
         The coordinator is the view's sole owner (no decision keeps a view or one of its workers), so
-        it changes each dirty worker's entry (a `SeenWorker`) in place, then moves it in the policies'
+        it changes each dirty worker's entry in place, then moves it in the policies'
         ranked load tables, as `ClusterView.update_in_place` does (given the same entry as old and
         new: the tables read a worker's old `L̂` from their own books, not from its old entry). A
         decision costs O(changed workers), not O(workers), and no new WorkerView.
@@ -63,24 +69,25 @@ class SeenCluster:
             return self._view
         # (entry, entry) per changed worker: the derived tables' `update` (`Derived`), with each entry
         # as its old and its new version (already in the view's mapping, changed in place)
-        changes: list[tuple[Any, Any]] = []  # SeenWorkers (mypy: a WorkerView's fields are read-only)
+        changes: list[tuple[WorkerView | None, WorkerView]] = []
         for w in dirty:
             if not w.dirty:
                 continue  # refreshed since it was marked (freeze)
             w.dirty = False
-            v: Any = w.seen
+            v = w.seen
+            assert v is not None
             if w.alive:
-                v.running = w.running
-                v.waiting = len(w.waiting)
-                v.kv_tokens_used = w.kv_used
-                v.pending = 0
+                _set(v, "running", w.running)
+                _set(v, "waiting", len(w.waiting))
+                _set(v, "kv_tokens_used", w.kv_used)
+                _set(v, "pending", 0)
             else:  # the gateway still sees the load it had when it died (`freeze`)
-                v.pending = len(w.lost) - w.lost_at_kill  # sent to it since it died
-            v.state = w.state
-            v.incarnation = w.incarnation
-            v.ckpt_tokens = w.ckpt_tokens
-            v.ckpt_bytes = w.ckpt_bytes
-            v.load_memo = None  # estimated_load's memo is of the old values
+                _set(v, "pending", len(w.lost) - w.lost_at_kill)  # sent to it since it died
+            _set(v, "state", w.state)
+            _set(v, "incarnation", w.incarnation)
+            _set(v, "ckpt_tokens", w.ckpt_tokens)
+            _set(v, "ckpt_bytes", w.ckpt_bytes)
+            _set(v, "load_memo", None)  # estimated_load's memo is of the old values
             changes.append((v, v))
         dirty.clear()
         view = self._view
@@ -97,9 +104,16 @@ class SeenCluster:
 
     def freeze(self, w: SimWorker) -> None:
         """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
-        v: Any = w.seen
-        v.state, v.incarnation, v.running, v.waiting = w.state, w.incarnation, w.running, len(w.waiting)
-        v.kv_tokens_used, v.pending, v.ckpt_tokens, v.ckpt_bytes = w.kv_used, 0, w.ckpt_tokens, w.ckpt_bytes
-        v.load_memo = None
+        v = w.seen
+        assert v is not None
+        _set(v, "state", w.state)
+        _set(v, "incarnation", w.incarnation)
+        _set(v, "running", w.running)
+        _set(v, "waiting", len(w.waiting))
+        _set(v, "kv_tokens_used", w.kv_used)
+        _set(v, "pending", 0)
+        _set(v, "ckpt_tokens", w.ckpt_tokens)
+        _set(v, "ckpt_bytes", w.ckpt_bytes)
+        _set(v, "load_memo", None)
         self._view.update_in_place((v,))
         w.dirty = False

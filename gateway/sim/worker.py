@@ -77,7 +77,7 @@ class SimWorker:
         # where mark_dirty reports the worker (the coordinator's list of workers to refresh; until a
         # coordinator gives its own, a list nobody reads)
         self.dirty_sink: list[SimWorker] = []
-        # the gateway's entry for it (a SeenWorker, set by `SeenCluster`, seen.py)
+        # the gateway's entry for it (set and changed in place by `SeenCluster`, seen.py)
         self.seen: WorkerView | None = None
         self.lost: list[SimRequest] = []
         self.lost_at_kill = 0  # requests lost in a failure, until the gateway detects it
