@@ -14,6 +14,7 @@ compiled classes cannot be subclassed so.)
 
 from __future__ import annotations
 
+from gateway.core.load import LoadTable
 from gateway.core.types import ClusterView, WorkerView
 from gateway.sim.worker import SimWorker
 
@@ -76,26 +77,53 @@ class SeenCluster:
             w.dirty = False
             v = w.seen
             assert v is not None
+            # set only the fields that changed (a read costs less than a set through
+            # object.__setattr__); a change to a field L̂ reads drops its memo
+            # moved: a field the derived tables read changed (L̂'s inputs, the state; `LoadTable`, the
+            # holders' ring of ids): only then do they see the entry
+            moved = False
             if w.alive:
-                _set(v, "running", w.running)
-                _set(v, "waiting", len(w.waiting))
-                _set(v, "kv_tokens_used", w.kv_used)
-                _set(v, "pending", 0)
+                running, waiting = w.running, len(w.waiting)
+                if v.running != running or v.waiting != waiting or v.pending:
+                    # an admission moves a request from waiting to running: L̂ reads only the sum
+                    moved = v.running + v.waiting + v.pending != running + waiting
+                    _set(v, "running", running)
+                    _set(v, "waiting", waiting)
+                    _set(v, "pending", 0)
+                    if v.load_memo is not None:
+                        _set(v, "load_memo", None)
+                if v.kv_tokens_used != w.kv_used:
+                    _set(v, "kv_tokens_used", w.kv_used)
             else:  # the gateway still sees the load it had when it died (`freeze`)
-                _set(v, "pending", len(w.lost) - w.lost_at_kill)  # sent to it since it died
-            _set(v, "state", w.state)
-            _set(v, "incarnation", w.incarnation)
-            _set(v, "ckpt_tokens", w.ckpt_tokens)
-            _set(v, "ckpt_bytes", w.ckpt_bytes)
-            _set(v, "load_memo", None)  # estimated_load's memo is of the old values
-            changes.append((v, v))
+                pending = len(w.lost) - w.lost_at_kill  # sent to it since it died
+                if v.pending != pending:
+                    _set(v, "pending", pending)
+                    moved = True
+                    if v.load_memo is not None:
+                        _set(v, "load_memo", None)
+            if v.ckpt_tokens != w.ckpt_tokens or v.ckpt_bytes != w.ckpt_bytes:
+                _set(v, "ckpt_tokens", w.ckpt_tokens)
+                _set(v, "ckpt_bytes", w.ckpt_bytes)
+                moved = True
+                if v.load_memo is not None:
+                    _set(v, "load_memo", None)
+            if v.state is not w.state or v.incarnation != w.incarnation:
+                _set(v, "state", w.state)
+                _set(v, "incarnation", w.incarnation)
+                moved = True
+            if moved:
+                changes.append((v, v))
         dirty.clear()
         view = self._view
         tables = view.derived
         if changes and tables:  # ClusterView.update_in_place without its mapping's updates
             dropped = None  # (a loop, not a comprehension: no frame of its own per refresh)
             for key, table in tables.items():
-                if not table.update(changes):
+                if isinstance(table, LoadTable):  # noqa: SIM108  (a direct call where compiled)
+                    kept = table.update(changes)
+                else:
+                    kept = table.update(changes)
+                if not kept:
                     dropped = [key] if dropped is None else [*dropped, key]
             if dropped is not None:
                 for key in dropped:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.core import load as load_module
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, choose_holders
 from gateway.core.load import LoadTable, load_table
@@ -64,6 +65,19 @@ def test_update_in_place_equals_with_workers(
 ) -> None:
     first, batches = script
     functional, owned = ClusterView.of(first), ClusterView.of(first)
+    # update's two ways of placing a worker (`load.COMPILED`: its own binary search, or bisect)
+    by_hand = data.draw(st.booleans())
+    compiled = load_module.COMPILED
+    load_module.COMPILED = by_hand  # type: ignore[misc]  # (Final: for this test only)
+    try:
+        _follow(functional, owned, batches, data)
+    finally:
+        load_module.COMPILED = compiled  # type: ignore[misc]
+
+
+def _follow(
+    functional: ClusterView, owned: ClusterView, batches: list[list[WorkerView]], data: st.DataObject
+) -> None:
     for changed in batches:
         for p in PARAMS:
             if data.draw(st.booleans()):  # the tables exist before the change (or are built after it)
