@@ -71,6 +71,7 @@ class SeenCluster:
         # (entry, entry) per changed worker: the derived tables' `update` (`Derived`), with each entry
         # as its old and its new version (already in the view's mapping, changed in place)
         changes: list[tuple[WorkerView | None, WorkerView]] = []
+        set_ = _set  # (a local: no global lookup per field)
         for w in dirty:
             if not w.dirty:
                 continue  # refreshed since it was marked (freeze)
@@ -78,39 +79,38 @@ class SeenCluster:
             v = w.seen
             assert v is not None
             # set only the fields that changed (a read costs less than a set through
-            # object.__setattr__); a change to a field L̂ reads drops its memo
-            # moved: a field the derived tables read changed (L̂'s inputs, the state; `LoadTable`, the
-            # holders' ring of ids): only then do they see the entry
+            # object.__setattr__). moved: a field the derived tables read changed (L̂'s inputs, the
+            # state; `LoadTable`, the holders' ring of ids): only then do they see the entry, and
+            # only then is estimated_load's memo of the old values dropped
             moved = False
             if w.alive:
                 running, waiting = w.running, len(w.waiting)
-                if v.running != running or v.waiting != waiting or v.pending:
-                    # an admission moves a request from waiting to running: L̂ reads only the sum
-                    moved = v.running + v.waiting + v.pending != running + waiting
-                    _set(v, "running", running)
-                    _set(v, "waiting", waiting)
-                    _set(v, "pending", 0)
-                    if v.load_memo is not None:
-                        _set(v, "load_memo", None)
+                was_running, was_waiting, was_pending = v.running, v.waiting, v.pending
+                if was_running != running:
+                    set_(v, "running", running)
+                if was_waiting != waiting:
+                    set_(v, "waiting", waiting)
+                if was_pending:
+                    set_(v, "pending", 0)
+                # an admission moves a request from waiting to running: L̂ reads only the sum
+                moved = was_running + was_waiting + was_pending != running + waiting
                 if v.kv_tokens_used != w.kv_used:
-                    _set(v, "kv_tokens_used", w.kv_used)
+                    set_(v, "kv_tokens_used", w.kv_used)
             else:  # the gateway still sees the load it had when it died (`freeze`)
                 pending = len(w.lost) - w.lost_at_kill  # sent to it since it died
                 if v.pending != pending:
-                    _set(v, "pending", pending)
+                    set_(v, "pending", pending)
                     moved = True
-                    if v.load_memo is not None:
-                        _set(v, "load_memo", None)
             if v.ckpt_tokens != w.ckpt_tokens or v.ckpt_bytes != w.ckpt_bytes:
-                _set(v, "ckpt_tokens", w.ckpt_tokens)
-                _set(v, "ckpt_bytes", w.ckpt_bytes)
+                set_(v, "ckpt_tokens", w.ckpt_tokens)
+                set_(v, "ckpt_bytes", w.ckpt_bytes)
                 moved = True
-                if v.load_memo is not None:
-                    _set(v, "load_memo", None)
             if v.state is not w.state or v.incarnation != w.incarnation:
-                _set(v, "state", w.state)
-                _set(v, "incarnation", w.incarnation)
+                set_(v, "state", w.state)
+                set_(v, "incarnation", w.incarnation)
                 moved = True
+            if moved and v.load_memo is not None:
+                set_(v, "load_memo", None)
             if moved:
                 changes.append((v, v))
         dirty.clear()
