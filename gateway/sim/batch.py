@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from heapq import heappop, heappush
+from typing import Final
 
 from gateway.sim.request import SimRequest
 
 # A finish-heap entry is one int, `finish step << RID_BITS | rid`, ordered as (finish step, rid) (a
 # request's id is its index in the workload: 0 <= rid < 2**RID_BITS), and cheaper to compare than a
 # tuple; `entry >> RID_BITS` is its finish step
-RID_BITS = 40
-_RID_MASK = (1 << RID_BITS) - 1
+RID_BITS: Final = 40
+_RID_MASK: Final = (1 << RID_BITS) - 1
 
 
 class DecodeBatch:

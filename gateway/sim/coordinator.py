@@ -99,7 +99,7 @@ class Coordinator:
 
     # -- routing and attempts -----------------------------------------------------------------------
     def route(self, r: SimRequest, now: float) -> bool:
-        wid = choose_worker(self.view(), self.route_load)
+        wid = choose_worker(self.seen.view(), self.route_load)  # (seen.view: a direct call compiled)
         if wid is None:
             return False
         self.start(r, self.by_id[wid], now, 0)
@@ -118,7 +118,7 @@ class Coordinator:
         if self.policy.checkpointing:
             expected = r.prompt + r.emitted + (r.output - r.emitted)  # r.context + what is left
             nbytes = expected * self.kvb
-            chosen = choose_holders(self.view(), w.id, nbytes, self.holder_params)
+            chosen = choose_holders(self.seen.view(), w.id, nbytes, self.holder_params)
             by_id = self.by_id
             holders = (by_id[chosen[0]],) if len(chosen) == 1 else tuple([by_id[h] for h in chosen])
             self._charge(r, holders, expected)

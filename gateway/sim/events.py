@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any
+from typing import Any, Final
 
-# event kinds
-ARRIVAL = 0  # the next request of the workload arrives (not in the heap: Simulation.run)
-STEP = 1  # a worker's step (or run of decode steps) ends; a = worker, b = the worker's plan version
-RESTORED = 2  # a request's KV restore (host -> GPU) finished; a = worker, b = (request, incarnation)
-KILL = 3  # a failure of the scenario strikes; a = its index
-DETECT = 4  # the gateway detects failed workers; a = tuple of (worker, incarnation)
-PHASE = 5  # a restarting worker reaches a phase; a = worker, b = (incarnation, state, reload or None)
-TICK = 6  # periodic sampling and draft-assist re-pairing
-GIVE_UP = 7  # a request that found no HEALTHY worker has waited long enough; a = request
-SEED = 8  # a seeded reload's transfer begins: the seed slows down; a = the reload (reloads.ActiveReload)
-RESTART = 9  # a hung worker still FAILED is killed and restarted; a = worker, b = its hung incarnation
+# event kinds (Final: compiled modules use them as constants, gateway/sim/native.py)
+ARRIVAL: Final = 0  # the next request of the workload arrives (not in the heap: Simulation.run)
+STEP: Final = 1  # a worker's step (or run of decode steps) ends; a = worker, b = the worker's plan version
+RESTORED: Final = 2  # a request's KV restore (host -> GPU) finished; a = worker, b = (request, incarnation)
+KILL: Final = 3  # a failure of the scenario strikes; a = its index
+DETECT: Final = 4  # the gateway detects failed workers; a = tuple of (worker, incarnation)
+PHASE: Final = 5  # a restarting worker reaches a phase; a = worker, b = (incarnation, state, reload or None)
+TICK: Final = 6  # periodic sampling and draft-assist re-pairing
+GIVE_UP: Final = 7  # a request that found no HEALTHY worker has waited long enough; a = request
+SEED: Final = 8  # a seeded reload's transfer begins: the seed slows down; a = the reload (reloads.ActiveReload)
+RESTART: Final = 9  # a hung worker still FAILED is killed and restarted; a = worker, b = its hung incarnation
 
 Event = tuple[float, int, int, Any, Any]
 

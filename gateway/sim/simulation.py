@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import heapq
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from gateway.core.costmodel import CostModel
 from gateway.core.detector import DetectorParams, hang_detection_s
@@ -175,8 +175,9 @@ class Simulation:
                     t, _, kind, a, b = pop(heap)
                     events += 1
                     if kind == step:
-                        if b == a.version:  # else a stale plan (SimWorker.on_step would ignore it)
-                            a.on_step(t, b)
+                        w = cast(SimWorker, a)  # (a direct call where compiled)
+                        if b == w.version:  # else a stale plan (SimWorker.on_step would ignore it)
+                            w.on_step(t, b)
                     else:
                         self._handle(kind, a, b, t)
                 else:
