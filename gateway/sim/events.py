@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Final
+from typing import Any, Final, cast
 
 # event kinds (Final: compiled modules use them as constants, gateway/sim/native.py)
 ARRIVAL: Final = 0  # the next request of the workload arrives (not in the heap: Simulation.run)
@@ -24,11 +24,76 @@ RESTART: Final = 9  # a hung worker still FAILED is killed and restarted; a = wo
 
 Event = tuple[float, int, int, Any, Any]
 
+# Whether this module runs compiled (the simulator's native build, gateway/sim/native.py). The hot
+# paths then push and pop with `push_event` and `pop_event`, heapq's algorithms written out on the
+# (time, sequence) keys, which compile to unboxed comparisons several times cheaper than heapq's
+# comparisons of whole tuples; interpreted, heapq (in C) is the cheaper one. Sequence numbers are
+# unique, so the order is total and any heap pops the same events in the same order.
+COMPILED: Final = not __file__.endswith(".py")
+
+
+def push_event(heap: list[Event], event: Event) -> None:
+    """`heapq.heappush(heap, event)`, ordered by (time, sequence)."""
+    # entries as boxed tuples (compiled, a fixed-length tuple type would be unboxed into a struct
+    # at every read and boxed anew at every write)
+    h = cast(list[tuple[Any, ...]], heap)
+    h.append(event)
+    time: float = event[0]
+    seq: int = event[1]
+    pos = len(h) - 1
+    while pos > 0:
+        up = (pos - 1) >> 1
+        parent = h[up]
+        first: float = parent[0]
+        if time < first or (time == first and seq < parent[1]):
+            h[pos] = parent
+            pos = up
+        else:
+            break
+    h[pos] = event
+
+
+def pop_event(heap: list[Event]) -> Event:
+    """`heapq.heappop(heap)`, ordered by (time, sequence) (the heap must not be empty)."""
+    h = cast(list[tuple[Any, ...]], heap)  # boxed, as in push_event
+    last = h.pop()
+    if not h:
+        return cast(Event, last)
+    top = h[0]
+    # heapq's: move the smaller child up until a leaf, then put `last` there and sift it up
+    n = len(h)
+    pos = 0
+    child = 1
+    while child < n:
+        right = child + 1
+        if right < n:
+            a, b = h[child], h[right]
+            ta: float = a[0]
+            tb: float = b[0]
+            if tb < ta or (tb == ta and b[1] < a[1]):
+                child = right
+        h[pos] = h[child]
+        pos = child
+        child = 2 * pos + 1
+    time: float = last[0]
+    seq: int = last[1]
+    while pos > 0:
+        up = (pos - 1) >> 1
+        parent = h[up]
+        first: float = parent[0]
+        if time < first or (time == first and seq < parent[1]):
+            h[pos] = parent
+            pos = up
+        else:
+            break
+    h[pos] = last
+    return cast(Event, top)
+
 
 class EventQueue:
     """The heap and the sequence are public so the hot paths can use them directly: the simulation's
-    loop pops the heap (`heapq.heappop(q.heap)`), and a worker pushes its steps as `push` does
-    (`heapq.heappush(q.heap, (time, next(q.seq), kind, a, b))`). The simulation also takes a sequence
+    loop pops the heap (`heapq.heappop(q.heap)`, `pop_event` compiled), and a worker pushes its steps
+    as `push` does (`heapq.heappush(q.heap, (time, next(q.seq), kind, a, b))`, `push_event`). The simulation also takes a sequence
     number for each arrival, which it keeps outside the heap (`Simulation.run`)."""
 
     __slots__ = ("heap", "seq")
@@ -38,10 +103,13 @@ class EventQueue:
         self.seq = itertools.count()
 
     def push(self, time: float, kind: int, a: Any = None, b: Any = None) -> None:
-        heapq.heappush(self.heap, (time, next(self.seq), kind, a, b))
+        if COMPILED:
+            push_event(self.heap, (time, next(self.seq), kind, a, b))
+        else:
+            heapq.heappush(self.heap, (time, next(self.seq), kind, a, b))
 
     def pop(self) -> Event:
-        return heapq.heappop(self.heap)
+        return pop_event(self.heap) if COMPILED else heapq.heappop(self.heap)
 
     def __len__(self) -> int:
         return len(self.heap)

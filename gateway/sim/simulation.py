@@ -37,7 +37,7 @@ from gateway.core.types import LoadParams
 from gateway.sim import events as ev
 from gateway.sim.bound import vanish
 from gateway.sim.coordinator import Coordinator, assist_gate, lag_per_token
-from gateway.sim.events import EventQueue
+from gateway.sim.events import EventQueue, pop_event
 from gateway.sim.gray import SimGray
 from gateway.sim.reloads import ActiveReload, Reloads, ReloadTimes
 from gateway.sim.request import SimRequest
@@ -150,7 +150,7 @@ class Simulation:
         q.push(0.0, ev.TICK)
         # the hot loop: the heap and the commonest kinds as locals (a global or attribute lookup per
         # event is measurable at millions of events)
-        heap, pop = q.heap, heapq.heappop
+        heap, pop, compiled = q.heap, heapq.heappop, ev.COMPILED
         step = ev.STEP
         events, i, t = 0, 0, self.now
         # No garbage collection during the run: its events, views and requests form no reference
@@ -172,7 +172,7 @@ class Simulation:
                     if not self.coord.route(r, t):
                         self.wait_for_worker(r, t)
                 elif heap:
-                    t, _, kind, a, b = pop(heap)
+                    t, _, kind, a, b = pop_event(heap) if compiled else pop(heap)
                     events += 1
                     if kind == step:
                         w = cast(SimWorker, a)  # (a direct call where compiled)

@@ -188,3 +188,40 @@ def test_memoised_queue_ranks_give_the_same_run(monkeypatch: pytest.MonkeyPatch)
     slow = Simulation(s, policy_for("lumen"), workload, 2).run()
     _same(fast, slow)
     assert fast.stats.restores + fast.stats.replays > 0
+
+
+@given(st.lists(st.one_of(st.floats(0.0, 3.0).map(lambda t: round(t, 1)), st.none()), max_size=120))
+def test_the_written_out_heap_pops_what_heapq_pops(script: list[float | None]) -> None:
+    """`events.push_event` / `pop_event` (the compiled runs' heap) against heapq, on many equal times
+    (None: a pop): the same events in the same order, and a valid heap for heapq after each step."""
+    mine: list[ev.Event] = []
+    ref: list[ev.Event] = []
+    for seq, t in enumerate(script):
+        if t is None:
+            if ref:
+                assert ev.pop_event(mine) == heapq.heappop(ref)
+        else:
+            ev.push_event(mine, (t, seq, ev.STEP, None, seq))
+            heapq.heappush(ref, (t, seq, ev.STEP, None, seq))
+        assert all(mine[(i - 1) // 2][:2] <= mine[i][:2] for i in range(1, len(mine)))  # heap order
+    while ref:
+        assert ev.pop_event(mine) == heapq.heappop(ref)
+    assert not mine
+
+
+@pytest.mark.parametrize("mode", ["stop_restart", "lumen"])
+def test_the_compiled_paths_give_the_same_run(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a compiled build runs instead of heapq and bisect (events.COMPILED, load.COMPILED),
+    forced on in this interpreted process: the same run."""
+    from gateway.core import load
+    from gateway.sim import simulation, worker
+
+    s = _scenario()
+    workload = _tied(build_workload(s, 5))
+    plain = Simulation(s, policy_for(mode), workload, 5).run()
+    for module in (ev, worker, load):
+        monkeypatch.setattr(module, "COMPILED", True)
+    monkeypatch.setattr(simulation.ev, "COMPILED", True)
+    compiled = Simulation(s, policy_for(mode), workload, 5).run()
+    _same(plain, compiled)
+    assert plain.stats.restores + plain.stats.replays > 0
