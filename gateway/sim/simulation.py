@@ -151,6 +151,7 @@ class Simulation:
         # the hot loop: the heap and the commonest kinds as locals (a global or attribute lookup per
         # event is measurable at millions of events)
         heap, pop, compiled = q.heap, heapq.heappop, ev.COMPILED
+        boxed = cast(list[tuple[Any, ...]], heap)  # (read as boxed tuples: see events.push_event)
         step = ev.STEP
         events, i, t = 0, 0, self.now
         # No garbage collection during the run: its events, views and requests form no reference
@@ -160,7 +161,12 @@ class Simulation:
         gc.disable()
         try:
             while True:
-                if i < n and (not heap or ta < heap[0][0] or (ta == heap[0][0] and sa < heap[0][1])):
+                arrival = i < n
+                if arrival and heap:
+                    top = boxed[0]
+                    first: float = top[0]
+                    arrival = ta < first or (ta == first and sa < top[1])
+                if arrival:
                     t = ta
                     events += 1
                     r = SimRequest(i, t, self._prompts[i], self._outputs[i])
