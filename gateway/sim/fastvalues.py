@@ -1,9 +1,11 @@
-"""A cheaper form of a frozen core value the simulator would otherwise make on every request.
+"""Cheaper forms of two frozen core values the simulator would otherwise make on every request.
 
-`RequestRecord` is a frozen slotted dataclass: its generated `__init__` sets each field through
-`object.__setattr__`. The simulator makes one RequestRecord per request: built as an instance of a
-plain class with the very same slots (an ordinary `__init__`, ~4× faster) whose `__class__` is then
-set to the frozen class.
+`WorkerView` and `RequestRecord` are frozen slotted dataclasses: their generated `__init__` sets each
+field through `object.__setattr__`. The simulator refreshes ~4 workers of its gateway's view per
+request: instead of a new WorkerView for each, it keeps one `SeenWorker` per worker (a WorkerView
+subclass it may change in place) and sets the fields that change (seen.py). It makes one
+RequestRecord per request: built as an instance of a plain class with the very same slots (an
+ordinary `__init__`, ~4× faster) whose `__class__` is then set to the frozen class.
 CPython allows that assignment between classes with an identical slot layout, and the object is from
 then on an ordinary instance of the frozen class: equal to, hashing and printing as one made by its
 own constructor (`tests/unit/test_sim_fastvalues.py` checks it field by field). The import-time check
@@ -16,6 +18,7 @@ from dataclasses import fields
 from typing import cast
 
 from gateway.core.evaluation import RequestRecord
+from gateway.core.types import WorkerView
 
 
 class _RequestRecordSlots:
@@ -59,6 +62,36 @@ def _check_layout(twin: type, frozen: type) -> None:
 
 
 _check_layout(_RequestRecordSlots, RequestRecord)
+
+
+def _seen_worker() -> type[WorkerView]:
+    """The class of the simulated gateway's entries: `SeenWorker` below, or, where the core's
+    WorkerView is compiled (gateway/sim/native.py), WorkerView itself: an interpreted class cannot
+    subclass a compiled one, and need not, as seen.py, compiled too, then writes an entry's fields
+    directly (no frozen check runs)."""
+    if hasattr(WorkerView, "__mypyc_attrs__"):
+        return WorkerView
+
+    class SeenWorker(WorkerView):
+        """A WorkerView its sole owner changes in place: the simulated gateway's entry for one worker.
+
+        The coordinator keeps one per worker in its view and sets the fields of the workers that
+        changed before a decision (`SeenCluster.view`, seen.py), instead of making a new WorkerView
+        for each change. It is a WorkerView in every other respect (fields, methods, `L̂` memo);
+        equality holds only between two SeenWorkers. Only a shell that owns the view alone, and keeps
+        no WorkerView of it across a change, may use it (the simulator: every decision reads the view
+        and returns).
+        """
+
+        __slots__ = ()
+        __setattr__ = object.__setattr__  # plain slot assignment (the frozen class refuses it)
+        __delattr__ = object.__delattr__
+
+    SeenWorker.__qualname__ = "SeenWorker"  # (its repr)
+    return SeenWorker
+
+
+SeenWorker = _seen_worker()
 
 
 def request_record(

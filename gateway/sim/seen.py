@@ -4,21 +4,19 @@ The gateway's view is exact at each decision (no heartbeat lag), except that a d
 load it had when it died, plus what was sent to it since, until the failure is detected. Workers
 report their changes (`SimWorker.mark_dirty`) and `view()` refreshes only those.
 
-A WorkerView is a frozen value; this module alone changes the simulated gateway's entries, through
-`object.__setattr__` (`_set`), because it owns its view alone: no decision keeps a view or an entry
-across a change (every decision reads the view and returns). The live gateway makes a new WorkerView
-for every change. (`_set` is the same call whether this module runs interpreted or compiled,
-gateway/sim/native.py; a subclass that allows assignment would cost no less interpreted, and
-compiled classes cannot be subclassed so.)
+A WorkerView is a frozen value; this module alone changes the simulated gateway's entries, because
+it owns its view alone: no decision keeps a view or an entry across a change (every decision reads
+the view and returns). The live gateway makes a new WorkerView for every change. Interpreted, the
+entries are `fastvalues.SeenWorker`s, which allow assignment; compiled (gateway/sim/native.py), an
+assignment here is a direct write that no frozen check sees, and the entries are WorkerViews.
 """
 
 from __future__ import annotations
 
 from gateway.core.load import LoadTable
 from gateway.core.types import ClusterView, WorkerView
+from gateway.sim.fastvalues import SeenWorker
 from gateway.sim.worker import SimWorker
-
-_set = object.__setattr__  # a field of an entry this module owns (see the module's docstring)
 
 
 class SeenCluster:
@@ -41,7 +39,7 @@ class SeenCluster:
 
     def _view_of(self, w: SimWorker) -> WorkerView:
         """A new entry for w, as it is now (one per worker, changed in place from then on)."""
-        return WorkerView(
+        return SeenWorker(
             w.id,
             w.state,
             w.incarnation,
@@ -71,46 +69,45 @@ class SeenCluster:
         # (entry, entry) per changed worker: the derived tables' `update` (`Derived`), with each entry
         # as its old and its new version (already in the view's mapping, changed in place)
         changes: list[tuple[WorkerView | None, WorkerView]] = []
-        set_ = _set  # (a local: no global lookup per field)
         for w in dirty:
             if not w.dirty:
                 continue  # refreshed since it was marked (freeze)
             w.dirty = False
             v = w.seen
             assert v is not None
-            # set only the fields that changed (a read costs less than a set through
-            # object.__setattr__). moved: a field the derived tables read changed (L̂'s inputs, the
-            # state; `LoadTable`, the holders' ring of ids): only then do they see the entry, and
-            # only then is estimated_load's memo of the old values dropped
+            # set only the fields that changed (interpreted, a read costs less than a set). moved: a
+            # field the derived tables read changed (L̂'s inputs, the state; `LoadTable`, the holders'
+            # ring of ids): only then do they see the entry, and only then is estimated_load's memo
+            # of the old values dropped
             moved = False
             if w.alive:
                 running, waiting = w.running, len(w.waiting)
                 was_running, was_waiting, was_pending = v.running, v.waiting, v.pending
                 if was_running != running:
-                    set_(v, "running", running)
+                    v.running = running  # type: ignore[misc]
                 if was_waiting != waiting:
-                    set_(v, "waiting", waiting)
+                    v.waiting = waiting  # type: ignore[misc]
                 if was_pending:
-                    set_(v, "pending", 0)
+                    v.pending = 0  # type: ignore[misc]
                 # an admission moves a request from waiting to running: L̂ reads only the sum
                 moved = was_running + was_waiting + was_pending != running + waiting
                 if v.kv_tokens_used != w.kv_used:
-                    set_(v, "kv_tokens_used", w.kv_used)
+                    v.kv_tokens_used = w.kv_used  # type: ignore[misc]
             else:  # the gateway still sees the load it had when it died (`freeze`)
                 pending = len(w.lost) - w.lost_at_kill  # sent to it since it died
                 if v.pending != pending:
-                    set_(v, "pending", pending)
+                    v.pending = pending  # type: ignore[misc]
                     moved = True
             if v.ckpt_tokens != w.ckpt_tokens or v.ckpt_bytes != w.ckpt_bytes:
-                set_(v, "ckpt_tokens", w.ckpt_tokens)
-                set_(v, "ckpt_bytes", w.ckpt_bytes)
+                v.ckpt_tokens = w.ckpt_tokens  # type: ignore[misc]
+                v.ckpt_bytes = w.ckpt_bytes  # type: ignore[misc]
                 moved = True
             if v.state is not w.state or v.incarnation != w.incarnation:
-                set_(v, "state", w.state)
-                set_(v, "incarnation", w.incarnation)
+                v.state = w.state  # type: ignore[misc]
+                v.incarnation = w.incarnation  # type: ignore[misc]
                 moved = True
             if moved and v.load_memo is not None:
-                set_(v, "load_memo", None)
+                v.load_memo = None  # type: ignore[misc]
             if moved:
                 changes.append((v, v))
         dirty.clear()
@@ -134,14 +131,14 @@ class SeenCluster:
         """A worker just died: the gateway keeps seeing its last load until it detects the failure."""
         v = w.seen
         assert v is not None
-        _set(v, "state", w.state)
-        _set(v, "incarnation", w.incarnation)
-        _set(v, "running", w.running)
-        _set(v, "waiting", len(w.waiting))
-        _set(v, "kv_tokens_used", w.kv_used)
-        _set(v, "pending", 0)
-        _set(v, "ckpt_tokens", w.ckpt_tokens)
-        _set(v, "ckpt_bytes", w.ckpt_bytes)
-        _set(v, "load_memo", None)
+        v.state = w.state  # type: ignore[misc]
+        v.incarnation = w.incarnation  # type: ignore[misc]
+        v.running = w.running  # type: ignore[misc]
+        v.waiting = len(w.waiting)  # type: ignore[misc]
+        v.kv_tokens_used = w.kv_used  # type: ignore[misc]
+        v.pending = 0  # type: ignore[misc]
+        v.ckpt_tokens = w.ckpt_tokens  # type: ignore[misc]
+        v.ckpt_bytes = w.ckpt_bytes  # type: ignore[misc]
+        v.load_memo = None  # type: ignore[misc]
         self._view.update_in_place((v,))
         w.dirty = False

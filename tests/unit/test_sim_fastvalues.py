@@ -1,7 +1,7 @@
 """The simulator's fast paths give the same values and the same runs as the plain ones.
 
 `gateway.sim.fastvalues` builds RequestRecord without its frozen `__init__` (the value must be
-indistinguishable), and the simulated gateway changes its WorkerViews in place (seen.py); a
+indistinguishable) and gives the simulated gateway WorkerViews it changes in place (`SeenWorker`); a
 run whose every decision reads a view built from scratch of plain WorkerViews, with the plain
 RequestRecord constructor, must produce exactly the same records, samples and statistics. (The simulator's other speed-ups are checked
 against the tree before them by `scripts/bench_sim.py golden`, which fingerprints whole runs.)
@@ -28,15 +28,21 @@ from gateway.sim.simulation import Simulation
 
 
 def test_an_entry_changed_in_place_reads_as_a_new_worker_view() -> None:
-    """seen.py changes its own entries through `object.__setattr__` and resets the L̂ memo: every
-    reader then sees what a new WorkerView with those fields would show; plain assignment still fails."""
-    entry = WorkerView("w3", WorkerState.DRAFT_READY, 2, 5, 3, 1200, 4000, 700, 7000, 10**9, "d1", 2)
+    """seen.py changes its own entries (SeenWorkers, interpreted) and resets the L̂ memo: every reader
+    then sees what a new WorkerView with those fields would show; a plain WorkerView still refuses."""
+    entry = fastvalues.SeenWorker(
+        "w3", WorkerState.DRAFT_READY, 2, 5, 3, 1200, 4000, 700, 7000, 10**9, "d1", 2
+    )
     plain = WorkerView("w3", WorkerState.DRAFT_READY, 2, 5, 3, 1200, 4000, 700, 7000, 10**9, "d1", 2)
+    assert isinstance(entry, WorkerView) and repr(entry) == repr(plain).replace("WorkerView", "SeenWorker", 1)
     params = LoadParams()
     assert estimated_load(entry, params) == estimated_load(plain, params)  # memo set
-    seen_module._set(entry, "running", 1)
-    seen_module._set(entry, "load_memo", None)  # what SeenCluster.view does after a change
-    assert entry.running == 1 and entry == dataclasses.replace(plain, running=1)
+    entry.running = 1  # type: ignore[misc]
+    entry.load_memo = None  # type: ignore[misc]  # what SeenCluster.view does after a change
+    assert entry.running == 1
+    assert [getattr(entry, f.name) for f in dataclasses.fields(WorkerView)] == [
+        getattr(dataclasses.replace(plain, running=1), f.name) for f in dataclasses.fields(WorkerView)
+    ]
     assert estimated_load(entry, params) == estimated_load(dataclasses.replace(plain, running=1), params)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plain.running = 1  # type: ignore[misc]
