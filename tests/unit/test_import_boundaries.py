@@ -20,9 +20,10 @@ Parts and the one direction imports may go (a part may import itself and what it
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,8 +132,7 @@ def part_of(name: str) -> str | None:
     return s[0] if s[0] in ALLOWED else None
 
 
-def _resolve(name: str, modules: Iterable[str]) -> str | None:
-    known = set(modules)
+def _resolve(name: str, known: Set[str]) -> str | None:
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         if ".".join(parts[:i]) in known:
@@ -140,14 +140,21 @@ def _resolve(name: str, modules: Iterable[str]) -> str | None:
     return None
 
 
+@functools.cache
+def _source_imports() -> dict[str, tuple[Import, ...]]:
+    """Every source module's imports, parsed once a run (the tree does not change during one)."""
+    return {m: tuple(imports_of(p, m)) for m, p in source_modules().items()}
+
+
 def module_graph(runtime_only: bool) -> dict[str, set[str]]:
-    mods = source_modules()
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for m, p in mods.items():
-        for imp in imports_of(p, m):
+    """A new graph on every call (the checker's own tests plant edges in theirs)."""
+    imports = _source_imports()
+    graph: dict[str, set[str]] = {m: set() for m in imports}
+    for m, imps in imports.items():
+        for imp in imps:
             if runtime_only and imp.type_only:
                 continue
-            r = _resolve(imp.target, mods)
+            r = _resolve(imp.target, imports.keys())
             if r is not None and r != m:
                 graph[m].add(r)
     return graph
