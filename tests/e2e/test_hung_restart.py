@@ -9,7 +9,11 @@ from tests.e2e.conftest import admin, wait_for
 
 
 async def test_a_hung_worker_is_killed_and_restarted_without_manual_action(cluster_factory) -> None:
-    c = cluster_factory(workers=3, mode="stop_restart", **{"cluster.hung_restart_grace_s": 1.0})
+    # the restarted process pays the modelled load time before it serves: short here (nothing here is
+    # about load times)
+    c = cluster_factory(
+        workers=3, mode="stop_restart", **{"cluster.hung_restart_grace_s": 1.0, "engine.model_load_s": 0.3}
+    )
     victim = (await admin(c.url, "GET", "/admin/workers"))[0]
     wid = victim["id"]
     await admin(c.url, "POST", f"/admin/workers/{wid}/kill?mode=hang")  # SIGSTOP: alive and silent
