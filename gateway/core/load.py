@@ -127,7 +127,7 @@ class LoadTable:
                 new = alpha * (w.ckpt_tokens / (cap if cap > 1 else 1)) + beta * (
                     (w.running + w.waiting + w.pending) / batch
                 )
-                if new == old and (new or _same_zero(new, old)):
+                if old is not None and new == old and (new or _same_zero(new, old)):
                     continue  # same rank
                 n = len(ranked)
                 if old is None:
