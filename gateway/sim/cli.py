@@ -91,7 +91,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--native",
         choices=("auto", "on", "off"),
         default="auto",
-        help="run the simulator's compiled modules (gateway/sim/native.py; the same results, ~2.5x less "
+        help="run the simulator's compiled modules (gateway/sim/native.py; the same results, ~3x less "
         "CPU): auto (default) when `lumen native build` has built them for these sources, on: build "
         "them first if need be, off: interpreted",
     )
@@ -180,7 +180,7 @@ def _native(args: argparse.Namespace) -> None:
     command_line = getattr(args, "command_line", None)
     if lib is None or command_line is None:
         if lib is None:
-            say("the simulator runs interpreted (`lumen native build` compiles it once: ~2.5x less CPU)")
+            say("the simulator runs interpreted (`lumen native build` compiles it once: ~3x less CPU)")
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,7 +2,7 @@
 
 `MODULES` (the event loop, the worker model, the simulated gateway's books and the core policies
 they call on every request) are compiled as they are written: no second implementation, and the
-same outputs exactly (`scripts/bench_sim.py golden --check`, `tests/slow/test_sim_native.py`).
+same outputs exactly (`scripts/bench_sim.py golden --check`, `tests/unit/test_sim_native.py`).
 
 A build lives in the user's cache (`cache_root()`), in a directory named by a digest of the
 compiled modules' sources and the Python it was built for. Edit one of them and the digest
