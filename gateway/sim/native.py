@@ -177,11 +177,14 @@ def build(progress: Callable[[str], None] = lambda line: None, force: bool = Fal
     if not force and (lib := ready()) is not None:
         progress(f"up to date: {lib}")
         return lib
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NativeError(f"cannot write the build cache {out.parent} ({exc}; set {CACHE_ENV})") from exc
     if importlib.util.find_spec("mypyc") is None or importlib.util.find_spec("setuptools") is None:
         raise NativeError("mypyc and setuptools are needed to build: pip install 'lumen[native]'")
     if not (os.environ.get("CC") or sysconfig.get_config_var("CC") or shutil.which("cc")):
         raise NativeError("no C compiler found (set CC)")
-    out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         lib = scratch / "lib"

@@ -160,3 +160,11 @@ def test_a_native_build_gives_the_interpreted_outputs_exactly(tmp_path: Path) ->
         timeout=600,
     )
     assert "[compiled modules]" in speed.stdout, speed.stdout + speed.stderr
+
+
+def test_an_unwritable_cache_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
+    with pytest.raises(native.NativeError, match="cannot write the build cache"):
+        native.build()
