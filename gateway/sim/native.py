@@ -159,9 +159,12 @@ import sys
 from mypyc.build import mypycify
 from setuptools import setup
 paths, target = sys.argv[1].split(","), sys.argv[2]
+# (mypy options may go with the paths: an installed Lumen has no pyproject.toml beside it)
 setup(
     name="lumen-native",
-    ext_modules=mypycify(paths, opt_level="3", group_name={group!r}, target_dir=target),
+    ext_modules=mypycify(
+        ["--ignore-missing-imports", *paths], opt_level="3", group_name={group!r}, target_dir=target
+    ),
     script_args=sys.argv[3:],
 )
 """
