@@ -46,11 +46,7 @@ from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
 from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
 from gateway.server.recovery.levers import OutageLevers
 from gateway.server.session_book import note_interruption, note_tokens
-from gateway.server.session_records import (
-    Session,
-    attempt_request,
-    chunk_logprobs,
-)
+from gateway.server.session_records import Session, attempt_request, chunk_logprobs
 from gateway.server.workers.aborts import Aborts
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord

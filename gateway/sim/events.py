@@ -38,19 +38,7 @@ def push_event(heap: list[Event], event: Event) -> None:
     # at every read and boxed anew at every write)
     h = cast(list[tuple[Any, ...]], heap)
     h.append(event)
-    time: float = event[0]
-    seq: int = event[1]
-    pos = len(h) - 1
-    while pos > 0:
-        up = (pos - 1) >> 1
-        parent = h[up]
-        first: float = parent[0]
-        if time < first or (time == first and seq < parent[1]):
-            h[pos] = parent
-            pos = up
-        else:
-            break
-    h[pos] = event
+    _sift_up(h, len(h) - 1, event)
 
 
 def pop_event(heap: list[Event]) -> Event:
@@ -75,8 +63,14 @@ def pop_event(heap: list[Event]) -> Event:
         h[pos] = h[child]
         pos = child
         child = 2 * pos + 1
-    time: float = last[0]
-    seq: int = last[1]
+    _sift_up(h, pos, last)
+    return cast(Event, top)
+
+
+def _sift_up(h: list[tuple[Any, ...]], pos: int, event: tuple[Any, ...]) -> None:
+    """Put `event` at `pos`, or above it while it precedes its parent."""
+    time: float = event[0]
+    seq: int = event[1]
     while pos > 0:
         up = (pos - 1) >> 1
         parent = h[up]
@@ -86,15 +80,23 @@ def pop_event(heap: list[Event]) -> Event:
             pos = up
         else:
             break
-    h[pos] = last
-    return cast(Event, top)
+    h[pos] = event
+
+
+def precedes(time: float, seq: int, heap: list[Event]) -> bool:
+    """Whether an event at (time, seq) would run before every event in the heap."""
+    if not heap:
+        return True
+    top = cast(list[tuple[Any, ...]], heap)[0]  # boxed, as in push_event
+    first: float = top[0]
+    return time < first or (time == first and seq < top[1])
 
 
 class EventQueue:
-    """The heap and the sequence are public so the hot paths can use them directly: the simulation's
-    loop pops the heap (`heapq.heappop(q.heap)`, `pop_event` compiled), and a worker pushes its steps
-    as `push` does (`heapq.heappush(q.heap, (time, next(q.seq), kind, a, b))`, `push_event`). The simulation also takes a sequence
-    number for each arrival, which it keeps outside the heap (`Simulation.run`)."""
+    """The heap and the sequence are public so the simulation's loop can use them directly: it pops
+    the heap (`heapq.heappop(q.heap)`, `pop_event` compiled) and checks whether the next arrival, whose
+    sequence number it takes when the previous one is handled and keeps outside the heap, precedes the
+    heap's events (`precedes`; `Simulation.run`)."""
 
     __slots__ = ("heap", "seq")
 

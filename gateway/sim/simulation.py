@@ -37,7 +37,7 @@ from gateway.core.types import LoadParams
 from gateway.sim import events as ev
 from gateway.sim.bound import vanish
 from gateway.sim.coordinator import Coordinator, assist_gate, lag_per_token
-from gateway.sim.events import EventQueue, pop_event
+from gateway.sim.events import EventQueue, pop_event, precedes
 from gateway.sim.gray import SimGray
 from gateway.sim.reloads import ActiveReload, Reloads, ReloadTimes
 from gateway.sim.request import SimRequest
@@ -150,9 +150,7 @@ class Simulation:
         q.push(0.0, ev.TICK)
         # the hot loop: the heap and the commonest kinds as locals (a global or attribute lookup per
         # event is measurable at millions of events)
-        heap, pop, compiled = q.heap, heapq.heappop, ev.COMPILED
-        boxed = cast(list[tuple[Any, ...]], heap)  # (read as boxed tuples: see events.push_event)
-        step = ev.STEP
+        heap, pop, compiled, step = q.heap, heapq.heappop, ev.COMPILED, ev.STEP
         events, i, t = 0, 0, self.now
         # No garbage collection during the run: its events, views and requests form no reference
         # cycles (all freed by reference counting), and the collector's passes over the growing set of
@@ -161,12 +159,7 @@ class Simulation:
         gc.disable()
         try:
             while True:
-                arrival = i < n
-                if arrival and heap:
-                    top = boxed[0]
-                    first: float = top[0]
-                    arrival = ta < first or (ta == first and sa < top[1])
-                if arrival:
+                if i < n and precedes(ta, sa, heap):
                     t = ta
                     events += 1
                     r = SimRequest(i, t, self._prompts[i], self._outputs[i])

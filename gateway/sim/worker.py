@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from heapq import heappush
 from typing import Protocol
 
 from gateway.core.health import WorkerState
 from gateway.core.types import WorkerView
 from gateway.sim.batch import RID_BITS, DecodeBatch
-from gateway.sim.events import COMPILED, RESTORED, STEP, EventQueue, push_event
+from gateway.sim.events import RESTORED, STEP, EventQueue
 from gateway.sim.request import SimRequest
 from gateway.sim.stepcost import Run, StepCost
 
@@ -60,8 +59,7 @@ class SimWorker:
         ckpt_budget_bytes: int,
     ) -> None:
         self.host, self.id, self.domain, self.cost = host, wid, domain, cost
-        # the simulation's event queue, pushed onto directly as `EventQueue.push` does (the hot path)
-        self._heap, self._seq = host.queue.heap, host.queue.seq
+        self._queue = host.queue  # the simulation's event queue
         self.restore_s_per_token = restore_s_per_token
         self.max_running, self.chunk, self.kv_capacity = max_running, chunk, kv_capacity
         self.ckpt_budget_bytes = ckpt_budget_bytes
@@ -170,10 +168,7 @@ class SimWorker:
                 self.version = version = self.version + 1
                 self.seg_time = seg_time = run.time(done + 1)
                 end = self.seg_start + seg_time * slow
-                if COMPILED:  # (events.COMPILED)
-                    push_event(self._heap, (end, next(self._seq), STEP, self, version))
-                else:
-                    heappush(self._heap, (end, next(self._seq), STEP, self, version))
+                self._queue.push(end, STEP, self, version)
 
     def set_speculation(self, k: int, e: float, now: float, wait_s: float = 0.0) -> None:
         """From the next step boundary: verify k drafts per request per step, emit e tokens per step on
@@ -254,10 +249,7 @@ class SimWorker:
             dt = self.cost.step(new, attn, kv) + (self.spec_wait_s if b else 0.0)
             self.busy, self.seg_start, self.seg_steps = PREFILL, now, 1
             self.version = version = self.version + 1
-            if COMPILED:  # (events.COMPILED)
-                push_event(self._heap, (now + dt * self.slow, next(self._seq), STEP, self, version))
-            else:
-                heappush(self._heap, (now + dt * self.slow, next(self._seq), STEP, self, version))
+            self._queue.push(now + dt * self.slow, STEP, self, version)
         elif batch.members:
             b, k = len(batch.members), self.k
             ctx_sum = batch.a_sum + k * b * batch.e
@@ -266,10 +258,7 @@ class SimWorker:
             self.seg_steps = steps = (batch.heap[0] >> RID_BITS) - k  # batch.next_finish() - k
             self.seg_time = seg_time = run.time(steps)
             self.version = version = self.version + 1
-            if COMPILED:  # (events.COMPILED)
-                push_event(self._heap, (now + seg_time * self.slow, next(self._seq), STEP, self, version))
-            else:
-                heappush(self._heap, (now + seg_time * self.slow, next(self._seq), STEP, self, version))
+            self._queue.push(now + seg_time * self.slow, STEP, self, version)
 
     def _admit(self, now: float) -> None:
         waiting, capacity = self.waiting, self.kv_capacity
@@ -299,10 +288,7 @@ class SimWorker:
                 start = max(now, self.h2d_free)
                 self.h2d_free = start + r.kv_ctx * self.restore_s_per_token
                 self.restoring.add(r)
-                if COMPILED:  # (events.COMPILED)
-                    push_event(self._heap, (self.h2d_free, next(self._seq), RESTORED, self, (r, self.incarnation)))
-                else:
-                    heappush(self._heap, (self.h2d_free, next(self._seq), RESTORED, self, (r, self.incarnation)))
+                self._queue.push(self.h2d_free, RESTORED, self, (r, self.incarnation))
             else:
                 self.prefill_q.append(r)
 

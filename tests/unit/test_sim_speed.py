@@ -214,12 +214,12 @@ def test_the_compiled_paths_give_the_same_run(mode: str, monkeypatch: pytest.Mon
     """What a compiled build runs instead of heapq and bisect (events.COMPILED, load.COMPILED),
     forced on in this interpreted process: the same run."""
     from gateway.core import load
-    from gateway.sim import simulation, worker
+    from gateway.sim import simulation
 
     s = _scenario()
     workload = _tied(build_workload(s, 5))
     plain = Simulation(s, policy_for(mode), workload, 5).run()
-    for module in (ev, worker, load):
+    for module in (ev, load):
         monkeypatch.setattr(module, "COMPILED", True)
     monkeypatch.setattr(simulation.ev, "COMPILED", True)
     compiled = Simulation(s, policy_for(mode), workload, 5).run()
