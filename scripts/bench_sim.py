@@ -21,7 +21,6 @@ import argparse
 import cProfile
 import hashlib
 import json
-import os
 import pstats
 import sys
 import time
@@ -171,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if lib is None:
             print(f"--native: {native.status()}", file=sys.stderr)
             return 2
-        sys.stdout.flush()
-        argv = [sys.executable, *sys.argv] if argv is None else [sys.executable, sys.argv[0], *argv]
-        os.execve(sys.executable, argv, {**os.environ, native.ENV: str(lib)})
+        native.restart(lib, sys.argv if argv is None else [sys.argv[0], *argv])
     return int(args.func(args))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -182,9 +181,7 @@ def _native(args: argparse.Namespace) -> None:
         if lib is None:
             say("the simulator runs interpreted (`lumen native build` compiles it once: ~3x less CPU)")
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, native.reexec_argv(command_line), {**os.environ, native.ENV: str(lib)})
+    native.restart(lib, ["-m", "gateway.cli", *command_line])
 
 
 def _scenario(args: argparse.Namespace) -> Any:

@@ -248,6 +248,8 @@ def clean() -> int:
     return n
 
 
-def reexec_argv(argv: Sequence[str]) -> list[str]:
-    """The command line that runs `lumen <argv>` again in a fresh interpreter."""
-    return [sys.executable, "-m", "gateway.cli", *argv]
+def restart(lib: Path, argv: Sequence[str]) -> None:
+    """Replace this process by `argv` (a Python command line) run on the build at `lib`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, ENV: str(lib)})
