@@ -250,6 +250,9 @@ class RecoverySection:
     outage_batch_boost: float = _OUTAGE.batch_boost
     outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size (SGLang: priorities)
     outage_shortest_first_rate: float = _OUTAGE.shortest_first_rate  # ... aged: tokens per s waited
+    # the boost only where the cost model says it makes a worker complete requests this many times
+    # faster for the load's shape (gateway.core.outage.boost_gain: not on code-like loads; 0: always)
+    outage_boost_min_gain: float = _OUTAGE.boost_min_gain
     max_attempts: int = 4  # worker attempts per request, the first included
     first_token_timeout_s: float = 120.0
     stall_timeout_s: float = 10.0  # between chunks once a stream has started

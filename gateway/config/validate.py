@@ -279,11 +279,16 @@ def _policies(cfg: Config) -> None:
     _core(
         "recovery",
         lambda: OutageParams(
-            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+            r.resumed_first,
+            r.outage_batch_boost,
+            r.outage_shortest_first,
+            r.outage_shortest_first_rate,
+            r.outage_boost_min_gain,
         ),
         {
             "batch_boost": "recovery.outage_batch_boost",
             "shortest_first_rate": "recovery.outage_shortest_first_rate",
+            "boost_min_gain": "recovery.outage_boost_min_gain",
         },
     )
     _core(

@@ -39,6 +39,13 @@ class LoadShape:
     def ready(self) -> bool:
         return self.seen >= self.span
 
+    def means(self) -> tuple[float, float]:
+        """(mean prompt tokens, mean output tokens) as a gate judges them: the measured means once
+        `ready`, the conversation trace's before."""
+        if self.seen >= self.span:
+            return (self.prompt_tokens, self.output_tokens)
+        return (DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS)
+
     def observe(self, prompt_tokens: int, output_tokens: int) -> None:
         """One completed request. The first `span` are averaged evenly (no pull towards the prior
         once real requests exist), later ones with weight 1 / span."""

@@ -11,6 +11,13 @@ resumed from the failed worker (whose clients are mid-stream, frozen) and new ar
   batch slots: workers / (workers - down), `down` the most workers out at once during this recovery,
   at most `batch_boost` (a cap; 1 is off). Only the modes whose `RecoveryPolicy.outage_admission` is
   on use it (Lumen's, not the baselines).
+- `boost_min_gain`: the boost only where the cost model says it pays for the load's shape
+  (`BoostGate`, `boost_gain`): a larger batch completes requests faster only while decode slots
+  bound the rate; when prefill does (long prompts, short outputs: code-like loads) the boosted batch
+  completes requests no faster, and its longer steps carry the prefill chunks, so the queue's
+  prompts start later. The gate judges the load's shape as completed requests show it
+  (`loadshape.LoadShape`) when a recovery begins and whenever more workers are out than before
+  during it, the moments both shells set the factor. 0 boosts on every shape.
 - `shortest_first`: while a failure's outage or backlog lasts, a survivor's queue is ordered by the
   tokens each request has to prefill, fewest first (after the resumed ones): when prefill is the
   bottleneck (long prompts, short outputs) this lowers the mean TTFT, at the tail's expense. With
@@ -30,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gateway.core.costmodel import CostModel
+from gateway.core.speculation import DEFAULT_CHUNK, AssistGate, request_time
 from gateway.core.types import check
 
 # how long a worker keeps a boosted batch limit unless the gateway renews it (the live gateway renews
@@ -43,21 +52,76 @@ class OutageParams:
     batch_boost: float = 1.5  # the cap of the survivors' batch-limit factor (1: no boost)
     shortest_first: bool = True
     shortest_first_rate: float = 2000.0  # prompt tokens one second of waiting outweighs (0: no aging)
+    # the boost only where it makes a worker complete requests at least this many times faster for
+    # the load's shape (`boost_gain`; 0: on every shape). The cost model gives ~1.12 for the
+    # conversation trace's shape and long outputs, ~1.01 for code-like loads (docs/design.md)
+    boost_min_gain: float = 1.05
 
     def __post_init__(self) -> None:
         ok = self.batch_boost >= 1 and math.isfinite(self.batch_boost)
         check(ok, "batch_boost", self.batch_boost, "must be a finite number >= 1")
+        g = self.boost_min_gain
+        check(g >= 0 and math.isfinite(g), "boost_min_gain", g, "must be a finite number >= 0")
         r = self.shortest_first_rate
         check(r >= 0 and math.isfinite(r), "shortest_first_rate", r, "must be a finite number >= 0")
 
 
-def outage_boost(params: OutageParams, recovering: bool, workers: int, down: int) -> float:
+@dataclass(frozen=True, slots=True)
+class BoostGate:
+    """The cost model of the batch boost on one worker (a worker like every other of the cluster):
+    its `target` cost model, its batch limit outside a recovery (`base_batch`), the KV tokens it
+    holds (`kv_tokens`: a boosted batch is only as large as its KV admits) and its prefill chunk."""
+
+    target: CostModel
+    base_batch: int
+    kv_tokens: float = math.inf
+    chunk: int = DEFAULT_CHUNK
+
+    def __post_init__(self) -> None:
+        check(self.base_batch >= 1, "base_batch", self.base_batch, "must be >= 1")
+        check(self.kv_tokens > 0, "kv_tokens", self.kv_tokens, "must be > 0")
+        check(self.chunk >= 1, "chunk", self.chunk, "must be >= 1")
+
+
+def boost_gain(gate: BoostGate, factor: float, prompt_tokens: float, output_tokens: float) -> float:
+    """How many times faster a worker completes requests of the load's shape (mean `prompt_tokens`
+    and `output_tokens`) with its batch limit boosted by `factor` than without: the steady state of
+    an overloaded worker (`speculation.request_time` without drafts: each freed slot taken at once by
+    a queued request whose prompt is prefilled inside the same steps), both batches capped by what
+    its KV holds at the load's mean context P + O/2. 1: the boost changes nothing (KV-bound, or a
+    factor that adds no slot). Decode-bound loads gain about the batch's growth less the longer
+    steps; prefill-bound ones next to nothing."""
+    ctx = max(1.0, prompt_tokens + output_tokens / 2.0)
+    base = admission_limit(gate.base_batch, 1.0)
+    boosted = admission_limit(gate.base_batch, factor)
+    if math.isfinite(gate.kv_tokens):
+        fits = max(1, int(gate.kv_tokens // ctx))
+        base, boosted = min(base, fits), min(boosted, fits)
+    if boosted <= base:
+        return 1.0
+    model = AssistGate(gate.target, prompt_tokens=prompt_tokens, output_tokens=output_tokens, chunk=gate.chunk)
+    return request_time(model, base, ctx, 0) / request_time(model, boosted, ctx, 0)
+
+
+def outage_boost(
+    params: OutageParams,
+    recovering: bool,
+    workers: int,
+    down: int,
+    gate: BoostGate | None = None,
+    shape: tuple[float, float] | None = None,
+) -> float:
     """The serving workers' batch-limit factor: while the cluster recovers from a failure (its outage,
     then until the backlog it left has drained), what keeps the cluster's batch slots with `down` of
-    its `workers` out (the most at once during this recovery), at most `batch_boost`; else 1."""
+    its `workers` out (the most at once during this recovery), at most `batch_boost`; else 1. With a
+    `gate` and the load's `shape` (mean prompt and output tokens), 1 too where that factor would not
+    make a worker complete requests `boost_min_gain` times faster (`boost_gain`)."""
     if not recovering or down <= 0 or params.batch_boost <= 1:
         return 1.0
-    return min(params.batch_boost, workers / max(1, workers - down))
+    factor = min(params.batch_boost, workers / max(1, workers - down))
+    if gate is None or shape is None or params.boost_min_gain <= 0:
+        return factor
+    return factor if boost_gain(gate, factor, shape[0], shape[1]) >= params.boost_min_gain else 1.0
 
 
 def admission_limit(base: int, boost: float) -> int:

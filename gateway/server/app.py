@@ -18,7 +18,7 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.outage import OutageParams, admission_limit
+from gateway.core.outage import BoostGate, OutageParams, admission_limit
 from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
 from gateway.core.reload import DraftFirst
 from gateway.core.router import routing_params
@@ -132,11 +132,22 @@ class Gateway:
             monitor=self.monitor,
             control=self.control,
             params=OutageParams(
-                r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+                r.resumed_first,
+                r.outage_batch_boost,
+                r.outage_shortest_first,
+                r.outage_shortest_first_rate,
+                r.outage_boost_min_gain,
             ),
             shaping=self.policy.outage_admission,
             clock=time.monotonic,
             heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
+            # the boost where it pays for the load's shape (a worker as the engine section sizes it)
+            gate=BoostGate(
+                self.cost,
+                config.engine.max_running_requests,
+                config.engine.kv_capacity_tokens or self.cost.kv_capacity_tokens(),
+                config.engine.chunked_prefill_size,
+            ),
         )
         self.outage = self.levers.admission
         self.levers.boost_hooks.append(self._boosted)
@@ -233,7 +244,9 @@ class Gateway:
         )
         self.sessions.levers = self.levers
         self.sessions.dispatcher.resume_hooks.append(self.levers.on_resume)
-        if self.assist is not None:  # one estimate of the load's shape: the sessions feed it
+        # one estimate of the load's shape, fed by the sessions: the draft-assist and boost gates'
+        self.levers.set_shape(self.sessions.load_shape)
+        if self.assist is not None:
             self.assist.shape = self.sessions.load_shape
         # which SGLang servers order their queue by priority (their /server_info)
         self.server_info = ServerInfoReader(self.monitor, self._http)

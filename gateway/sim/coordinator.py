@@ -23,7 +23,7 @@ from gateway.core.health import WorkerState, transition
 from gateway.core.holders import HolderParams, choose_holders, reassign_holders
 from gateway.core.loadshape import LoadShape
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.outage import OutageParams, queue_rank
+from gateway.core.outage import BoostGate, OutageParams, queue_rank
 from gateway.core.pairing import (
     PairingParams,
     draft_first_pays,
@@ -68,6 +68,7 @@ class Coordinator:
         lag_per_token: float,
         route_by_checkpoint_load: bool = False,
         outage: OutageParams | None = None,
+        boost_gate: BoostGate | None = None,
     ) -> None:
         self.workers = workers
         self.by_id = {w.id: w for w in workers}
@@ -84,14 +85,14 @@ class Coordinator:
         self.decisions: Counter[str] = Counter()
         self.restored_tokens = 0
         self.spec_ks: list[int] = []
+        # the load's shape as completed requests show it: the draft-assist and boost gates judge it
+        self.shape = LoadShape()
         # survivors' admission while a failure's outage or backlog lasts (gateway.core.outage)
-        self.outage = SimOutage(workers, outage or OutageParams(), policy.outage_admission)
+        self.outage = SimOutage(workers, outage or OutageParams(), policy.outage_admission, boost_gate, self.shape)
         # outside a recovery a queue rank depends only on whether the attempt is the first
         # (core `queue_rank`: `(first, 0)`): a first attempt's and a resumed one's, asked once here
         params = self.outage.params
         self._calm_ranks = (queue_rank(1, 1, params, False), queue_rank(2, 1, params, False))
-        # the load's shape as completed requests show it: the draft-assist gate judges it
-        self.shape = LoadShape()
 
     def set_state(self, w: SimWorker, state: WorkerState) -> None:
         w.state = transition(w.state, state)

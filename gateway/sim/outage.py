@@ -4,9 +4,10 @@ The live shell is gateway/server/recovery/outage.py (`OutageAdmission`, leases t
 both decide with the same core functions. Here the coordinator owns one `SimOutage`: the recovery
 starts at the first recovery dispatch and ends once every worker serves and the queues hold no
 backlog (`backlog_drained`); meanwhile, in Lumen's modes (`RecoveryPolicy.outage_admission`), every
-worker's batch limit is the base times `outage_boost` of the most workers out at once, and the queues
-are ranked shortest prefill first, aged (`queue_rank`). The baselines keep FIFO (resumed first) and
-their batch limit.
+worker's batch limit is the base times `outage_boost` of the most workers out at once (where the
+boost gate says it pays for the load's shape as completed requests show it), and the queues are
+ranked shortest prefill first, aged (`queue_rank`). The baselines keep FIFO (resumed first) and their
+batch limit.
 """
 
 from __future__ import annotations
@@ -14,15 +15,32 @@ from __future__ import annotations
 from collections import deque
 
 from gateway.core.health import WorkerState
-from gateway.core.outage import OutageParams, admission_limit, backlog_drained, outage_boost, queue_rank
+from gateway.core.loadshape import LoadShape
+from gateway.core.outage import (
+    BoostGate,
+    OutageParams,
+    admission_limit,
+    backlog_drained,
+    outage_boost,
+    queue_rank,
+)
 from gateway.sim.request import SimRequest
 from gateway.sim.worker import SimWorker, fifo_rank
 
 
 class SimOutage:
-    def __init__(self, workers: list[SimWorker], params: OutageParams, shaping: bool) -> None:
+    def __init__(
+        self,
+        workers: list[SimWorker],
+        params: OutageParams,
+        shaping: bool,
+        gate: BoostGate | None = None,
+        shape: LoadShape | None = None,
+    ) -> None:
         self.workers = workers
         self.params = params
+        self.gate = gate  # the boost's cost model (None: boost on every shape)
+        self.shape = shape if shape is not None else LoadShape()  # the load's shape as it completes
         self.shaping = shaping  # the mode has Lumen's outage levers (baselines: only resumed-first)
         self.recovering = False
         self.down_peak = 0  # the most workers out at once during the current recovery
@@ -67,7 +85,8 @@ class SimOutage:
         if on:
             down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY)
             self.down_peak = max(self.down_peak, down)
-        self.boost = outage_boost(self.params, on, len(self.workers), self.down_peak)
+        shape = self.shape.means() if self.gate is not None else None
+        self.boost = outage_boost(self.params, on, len(self.workers), self.down_peak, self.gate, shape)
         limit = admission_limit(self.base_running, self.boost)
         for w in self.workers:
             if w.max_running != limit:

@@ -130,6 +130,9 @@ class RecoverySpec:
     outage_batch_boost: float = _OUTAGE.batch_boost
     outage_shortest_first: bool = _OUTAGE.shortest_first  # queues by prefill size while recovering
     outage_shortest_first_rate: float = _OUTAGE.shortest_first_rate  # ... aged (tokens per s waited)
+    # the boost only where the cost model says it completes requests this many times faster for the
+    # load's shape (gateway.core.outage.boost_gain; 0: on every shape)
+    outage_boost_min_gain: float = _OUTAGE.boost_min_gain
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,12 +220,14 @@ def _fail(key: str, value: object, why: str) -> NoReturn:
     raise ScenarioError(f"{key}: {why}, got {value!r}")
 
 
-def _core(section: str, make: Callable[[], object]) -> None:
-    """Bounds of policy parameters are the core's: build them, and name the scenario key on error."""
+def _core(section: str, make: Callable[[], object], keys: dict[str, str] | None = None) -> None:
+    """Bounds of policy parameters are the core's: build them, and name the scenario key on error
+    (`section.field`, or `keys[field]` where the scenario's key has another name)."""
     try:
         make()
     except ParamError as exc:
-        raise ScenarioError(f"{section}.{exc.field}: {exc.why}, got {exc.value!r}") from exc
+        key = (keys or {}).get(exc.field, f"{section}.{exc.field}")
+        raise ScenarioError(f"{key}: {exc.why}, got {exc.value!r}") from exc
 
 
 def parse_scenario(data: dict[str, Any], name: str = "unnamed") -> Scenario:
@@ -290,8 +295,17 @@ def validate(s: Scenario) -> None:
     _core(
         "recovery",
         lambda: OutageParams(
-            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+            r.resumed_first,
+            r.outage_batch_boost,
+            r.outage_shortest_first,
+            r.outage_shortest_first_rate,
+            r.outage_boost_min_gain,
         ),
+        {
+            "batch_boost": "recovery.outage_batch_boost",
+            "shortest_first_rate": "recovery.outage_shortest_first_rate",
+            "boost_min_gain": "recovery.outage_boost_min_gain",
+        },
     )
     _core("draft", lambda: check_gate_bounds(d.assist_min_gain, d.assist_min_waiting))
     g = s.gray

@@ -71,6 +71,9 @@ class Attempt:
 class Release:
     t: float
     rid: int
+    # a request that completed: (prompt tokens, output tokens), what the gateway's sessions feed the
+    # load's shape (core/loadshape.py); None for one that failed
+    completed: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +213,8 @@ class TraceRecorder:
         def release_w(r: SimRequest) -> None:
             release(r)
             if r.done:  # the request ended (a new attempt's release is part of its Attempt)
-                events.append(Release(self._now, r.rid))
+                done = None if r.error else (r.prompt, r.output)
+                events.append(Release(self._now, r.rid, done))
 
         def freeze_w(w: SimWorker) -> None:
             self._snapshot(coord)  # the last load the gateway saw from it

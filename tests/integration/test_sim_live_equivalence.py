@@ -41,7 +41,7 @@ from gateway.sim import trace as tr
 from gateway.sim.result import RunResult
 from gateway.sim.scenario import parse_scenario
 from gateway.sim.simulation import Simulation
-from gateway.sim.workload import synthetic
+from gateway.sim.workload import SHAPES, synthetic
 from worker_hooks.engine.admission import AdmissionLeases
 
 SCENARIO: dict[str, Any] = {
@@ -91,10 +91,23 @@ class Clock:
         return self.t
 
 
-def record(mode: str, seed: int = 3) -> tuple[Simulation, tr.TraceRecorder, RunResult]:
-    scenario = parse_scenario(SCENARIO)
+# a code-like load (long prompts, short outputs: prefill-bound), long enough before its failure that
+# the load's shape is known (core/loadshape.py: 1,000 completed requests): the boost gate keeps the
+# batch limit (core/outage.py `boost_gain`), and both shells must judge it alike
+CODE_SCENARIO: dict[str, Any] = {
+    **SCENARIO,
+    "workload": {"source": "synthetic", "shape": "code", "rate": 30.0, "duration_s": 70.0},
+    "failures": [{"at_s": 50.0, "workers": ["w0"]}],
+}
+
+
+def record(
+    mode: str, seed: int = 3, spec: dict[str, Any] = SCENARIO
+) -> tuple[Simulation, tr.TraceRecorder, RunResult]:
+    scenario = parse_scenario(spec)
     w = scenario.workload
-    workload = synthetic(np.random.default_rng(seed), w.rate, w.duration_s)
+    inputs, outputs = SHAPES[w.shape]
+    workload = synthetic(np.random.default_rng(seed), w.rate, w.duration_s, 1.0, inputs, outputs)
     sim = Simulation(scenario, policy_for(mode), workload, seed)
     rec = tr.TraceRecorder()
     rec.attach(sim)
@@ -137,6 +150,7 @@ class LiveShell:
                 outage_batch_boost=lever.outage_batch_boost,
                 outage_shortest_first=lever.outage_shortest_first,
                 outage_shortest_first_rate=lever.outage_shortest_first_rate,
+                outage_boost_min_gain=lever.outage_boost_min_gain,
             ),
             load_params=c.load,
             metrics=GatewayMetrics(),
@@ -152,7 +166,11 @@ class LiveShell:
         # state change; the pairing gate judges the boosted batch (GatewayApp._boosted)
         r = self.sessions.recovery
         params = OutageParams(
-            r.resumed_first, r.outage_batch_boost, r.outage_shortest_first, r.outage_shortest_first_rate
+            r.resumed_first,
+            r.outage_batch_boost,
+            r.outage_shortest_first,
+            r.outage_shortest_first_rate,
+            r.outage_boost_min_gain,
         )
         assert params == c.outage.params  # the scenario's levers reach both shells alike
         self.base_running = c.outage.base_running
@@ -163,7 +181,9 @@ class LiveShell:
             shaping=c.policy.outage_admission,
             clock=self.clock,
             heartbeat_interval_s=HEARTBEAT_S,
+            gate=c.outage.gate,  # the app's: a worker as the engine section sizes it
         )
+        self.levers.set_shape(self.sessions.load_shape)  # as the app wires it
         self.outage = self.levers.admission
         self.levers.boost_hooks.append(self._boosted)
         self.sessions.dispatcher.resume_hooks.append(self.levers.on_resume)
@@ -266,6 +286,8 @@ class LiveShell:
         self.ckpt.on_heartbeat(rec, hb)
 
     def on_release(self, e: tr.Release) -> None:
+        if e.completed is not None:  # the sessions feed the load's shape (sessions.py)
+            self.sessions.load_shape.observe(*e.completed)
         self.live.pop(e.rid, None)
         self.ckpt.release_session(str(e.rid))
 
@@ -475,6 +497,25 @@ async def test_live_outage_admission_takes_the_simulators_boosts(mode: str) -> N
     live = out.shell.outage
     assert live is not None and not live.recovering and live.boost == 1.0
     assert out.at_end and set(out.at_end.values()) == {(base, None)}
+
+
+async def test_both_shells_keep_the_batch_limit_on_a_prefill_bound_load() -> None:
+    """The boost gate (core/outage.py `boost_gain`) in both shells: on a code-like load whose shape
+    the gateway has measured, a failure starts a recovery (shortest prefill first) without a larger
+    batch, live as in the simulator, at every decision."""
+    sim, rec, _ = record("lumen", spec=CODE_SCENARIO)
+    assert sim.coord.shape.ready and sim.coord.shape.output_tokens < 60
+    out = await replay(sim, rec.events)
+    sim_changes = [(e.t, e.recovering, e.boost) for e in rec.events if isinstance(e, tr.Outage)]
+    assert sim_changes and sim_changes[0][1] and all(b == 1.0 for _, _, b in sim_changes)
+    assert out.changes == sim_changes
+    differ = [(i, p.event, p.live, p.sim) for i, p in enumerate(out.points) if p.live != p.sim]
+    assert differ == [], differ[:3]
+    assert any(p.sim.recovering and all(r is not None for _, r in p.sim.workers.values()) for p in out.points)
+    # the same load with the gate off (boost_min_gain 0) boosts: the gate is what kept the limit
+    spec = {**CODE_SCENARIO, "recovery": {**CODE_SCENARIO["recovery"], "outage_boost_min_gain": 0.0}}
+    _, rec2, _ = record("lumen", spec=spec)
+    assert any(e.boost > 1 for e in rec2.events if isinstance(e, tr.Outage))
 
 
 def test_recording_does_not_change_the_run() -> None:

@@ -15,6 +15,7 @@ def test_default_file_matches_schema_defaults() -> None:
     ("key", "value", "why"),
     [
         ("recovery.theta", -1, "must be a finite number >= 0"),
+        ("recovery.outage_boost_min_gain", -0.5, "must be a finite number >= 0"),
         ("recovery.mode", "magic", "must be one of"),
         ("recovery.tau", "512", "must be an integer"),
         ("health.heartbeat_interval_ms", 0, "must be in 1..10000"),

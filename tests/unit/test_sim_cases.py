@@ -7,6 +7,7 @@ import pytest
 
 from gateway.core.costmodel import CostModel
 from gateway.core.modes import policy_for
+from gateway.sim import trace as tr
 from gateway.sim.result import RunResult
 from gateway.sim.scenario import parse_scenario
 from gateway.sim.simulation import Simulation
@@ -204,6 +205,39 @@ def test_the_outage_batch_boost_lets_the_survivor_run_a_larger_batch_until_the_b
         assert [r.first_token for r in run(mode, reqs, **off).records] == [
             r.first_token for r in run(mode, reqs, **on).records
         ]
+
+
+def test_on_a_measured_prefill_bound_load_the_boost_gate_keeps_the_batch_limit() -> None:
+    """core/outage.py `boost_gain`: 1,200 code-like requests (long prompts, 2-token outputs) complete,
+    so the simulated gateway knows the load's shape; then w0 dies under a burst. The gate keeps the
+    survivor's batch limit (a larger batch would complete such requests no faster); with the gate
+    off (boost_min_gain 0) the same run boosts."""
+    reqs = [(0.05 * i, 2000, 2) for i in range(1200)] + [(60.0 + 0.001 * i, 2000, 2) for i in range(300)]
+    spec: dict[str, Any] = {
+        "cluster": {"workers": 2, "max_running_requests": 8},
+        "workload": {"rate": 1.0},
+        "failures": [{"at_s": 60.0, "workers": ["w0"]}],
+        "recovery": {"no_worker_wait_s": 600.0},
+    }
+
+    def boosts(min_gain: float | None) -> tuple[list[float], RunResult]:
+        data = {**spec, "recovery": {**spec["recovery"]}}
+        if min_gain is not None:
+            data["recovery"]["outage_boost_min_gain"] = min_gain
+        arr = np.array(reqs, dtype=np.float64)
+        w = Workload(arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64))
+        sim = Simulation(parse_scenario(data), policy_for("lumen"), w, seed=1)
+        rec = tr.TraceRecorder()
+        rec.attach(sim)
+        res = sim.run()
+        assert sim.coord.shape.ready
+        return [e.boost for e in rec.events if isinstance(e, tr.Outage) and e.recovering], res
+
+    gated, res = boosts(None)  # the default gate
+    ungated, _ = boosts(0.0)
+    assert gated and all(b == 1.0 for b in gated)  # a recovery, shortest first, no larger batch
+    assert max(ungated) == 1.5
+    assert not any(r.error for r in res.records)
 
 
 def test_shortest_prefill_first_orders_a_survivors_queue_only_while_recovering() -> None:

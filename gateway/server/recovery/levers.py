@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.core.outage import BOOST_LEASE_S, OutageParams, queue_priority
+from gateway.core.loadshape import LoadShape
+from gateway.core.outage import BOOST_LEASE_S, BoostGate, OutageParams, queue_priority
 from gateway.server.recovery.outage import OutageAdmission
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.held import HeldBatches
@@ -33,6 +34,7 @@ class OutageLevers:
         shaping: bool,
         clock: Callable[[], float],
         heartbeat_interval_s: float,
+        gate: BoostGate | None = None,
     ) -> None:
         self.params = params
         self.clock = clock
@@ -48,10 +50,16 @@ class OutageLevers:
                 # renewed on heartbeats: a lease must outlast a few of them
                 lease_s=max(BOOST_LEASE_S, 3 * heartbeat_interval_s),
                 held_waiting=self.held.waiting,
+                gate=gate,
             )
             self.admission.boost_hooks.append(self._boosted)
             control.heartbeat_hooks.append(lambda _rec, _beat: self.tick())
             monitor.on_state_change.append(lambda _ev: self.tick())
+
+    def set_shape(self, shape: LoadShape) -> None:
+        """The load's shape estimate the boost gate judges (the sessions feed it)."""
+        if self.admission is not None:
+            self.admission.shape = shape
 
     @property
     def recovering(self) -> bool:

@@ -3,7 +3,9 @@
 From the first recovery dispatch (an interrupted request resumed elsewhere) until every worker serves
 again and the queues hold no backlog (`backlog_drained`), every serving Lumen worker may admit a
 larger batch (`outage_boost` of the most workers out at once during this recovery, the factor the
-simulator's coordinator applies) and orders its queue shortest prefill first, aged
+simulator's coordinator applies, where the boost gate says it pays for the load's shape: judged, as
+the simulator judges it, when the recovery begins and whenever more workers are out than before) and
+orders its queue shortest prefill first, aged
 (`shortest_first`, `shortest_first_rate`). Both go to each worker as a lease (`SetAdmission`) renewed
 every third of `BOOST_LEASE_S` while the recovery lasts, and withdrawn (boost 1, FIFO) when it ends;
 a gateway that dies leaves no worker changed for longer than a lease. SGLang servers take no lease:
@@ -23,7 +25,8 @@ from collections.abc import Callable
 import structlog
 
 from gateway.core.health import WorkerState
-from gateway.core.outage import BOOST_LEASE_S, OutageParams, backlog_drained, outage_boost
+from gateway.core.loadshape import LoadShape
+from gateway.core.outage import BOOST_LEASE_S, BoostGate, OutageParams, backlog_drained, outage_boost
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.server.workers.control import ControlService
@@ -48,6 +51,7 @@ class OutageAdmission:
         clock: Callable[[], float],
         lease_s: float = BOOST_LEASE_S,
         held_waiting: Callable[[str], int] = lambda _worker_id: 0,
+        gate: BoostGate | None = None,
     ) -> None:
         self.monitor = monitor
         self.control = control
@@ -57,6 +61,11 @@ class OutageAdmission:
         self.recovering = False
         self.down_peak = 0  # the most workers out at once during this recovery
         self.boost = 1.0  # the factor granted now
+        self.gate = gate  # the boost's cost model (None: boost on every shape)
+        # the load's shape as completed requests show it (the app gives the sessions' estimate), and
+        # its means as judged when the recovery began or more workers went out
+        self.shape = LoadShape()
+        self._judged: tuple[float, float] | None = None
         # worker id -> (incarnation, (boost, shortest first), when) of the last grant sent to it
         self._sent: dict[str, tuple[int, tuple[float, bool], float]] = {}
         self.recoveries = 0
@@ -72,6 +81,7 @@ class OutageAdmission:
             self.recovering = True
             self.recoveries += 1
             self.down_peak = 0
+            self._judged = None
             log.info("recovery started: outage admission on")
         self.tick()
 
@@ -88,8 +98,13 @@ class OutageAdmission:
             self.recovering = False
             log.info("recovery over: outage admission off", down_peak=self.down_peak)
         else:
-            self.down_peak = max(self.down_peak, len(workers) - len(serving))
-        self.boost = outage_boost(self.params, self.recovering, len(workers), self.down_peak)
+            down = len(workers) - len(serving)
+            if down > self.down_peak:  # the gate judges the shape as the simulator does: now
+                self.down_peak = down
+                self._judged = self.shape.means() if self.gate is not None else None
+        self.boost = outage_boost(
+            self.params, self.recovering, len(workers), self.down_peak, self.gate, self._judged
+        )
         self._grant(serving)
         for hook in self.boost_hooks:
             hook(self.boost)
