@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.core.outage import OutageParams
+from structlog.testing import capture_logs
+
+from gateway.core.costmodel import CostModel
+from gateway.core.loadshape import LoadShape
+from gateway.core.outage import BoostGate, OutageParams
 from gateway.protocol import control_pb2 as pb
 from gateway.server.recovery.outage import OutageAdmission
 from gateway.server.workers.control import ControlService
@@ -108,3 +112,44 @@ async def test_the_boost_follows_the_most_workers_out_and_stops_at_the_cap() -> 
     out.tick()
     assert out.boost == 1.5  # 4/2 = 2, capped
     assert grants(ctl, "w2") == [round(4 / 3, 4), 1.5]
+
+
+async def test_on_a_measured_prefill_bound_load_the_survivors_keep_their_batch_and_the_log_says_why() -> None:
+    """The boost gate (core/outage.py `boost_gain`) live: the sessions' estimate of the load's shape
+    says code-like (long prompts, short outputs), so a failure starts a recovery with the queue order
+    but no larger batch; the judgement is logged with its figures. A second recovery on a measured
+    decode-bound shape is boosted."""
+    clock = Clock()
+    mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.05, heartbeat_misses=3)
+    ctl = ControlService(mon, token="", heartbeat_interval_ms=50)
+    cost = CostModel.preset("Qwen3-32B", "H100-80G")
+    gate = BoostGate(cost, 64, cost.kv_capacity_tokens(), 8192)
+    out = OutageAdmission(monitor=mon, control=ctl, params=OutageParams(), clock=clock, gate=gate)
+    shape = out.shape = LoadShape(span=10)
+    for _ in range(10):
+        shape.observe(2400, 40)
+    recs = {w: mon.attach(hello(w, 1)) for w in ("w0", "w1", "w2", "w3")}
+    for w in recs:
+        ctl.outboxes[w] = asyncio.Queue()
+
+    mon.detach(recs["w0"], "killed")
+    ORDERS.clear()
+    with capture_logs() as logs:
+        out.on_resume()
+    assert out.recovering and out.boost == 1.0
+    assert [grants(ctl, w) for w in ("w1", "w2", "w3")] == [[1.0]] * 3  # the queue order only
+    assert ORDERS == [(True, 2000.0)] * 3
+    (judged,) = [e for e in logs if e["event"] == "outage boost judged"]
+    assert judged["granted"] is False and judged["gain"] < 1.05 and judged["factor"] == 1.333
+    assert judged["shape_measured"] is True and judged["output_tokens"] == 40.0
+
+    # the recovery ends; the load turns decode-bound (long outputs); the next failure is boosted
+    recs["w0"] = mon.attach(hello("w0", 2))
+    ctl.outboxes["w0"] = asyncio.Queue()
+    out.tick()
+    assert not out.recovering
+    for _ in range(40):
+        shape.observe(2400, 470)
+    mon.detach(recs["w1"], "killed")
+    out.on_resume()
+    assert out.recovering and out.boost == 4 / 3

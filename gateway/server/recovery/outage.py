@@ -26,7 +26,14 @@ import structlog
 
 from gateway.core.health import WorkerState
 from gateway.core.loadshape import LoadShape
-from gateway.core.outage import BOOST_LEASE_S, BoostGate, OutageParams, backlog_drained, outage_boost
+from gateway.core.outage import (
+    BOOST_LEASE_S,
+    BoostGate,
+    OutageParams,
+    backlog_drained,
+    boost_gain,
+    outage_boost,
+)
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.server.workers.control import ControlService
@@ -102,12 +109,33 @@ class OutageAdmission:
             if down > self.down_peak:  # the gate judges the shape as the simulator does: now
                 self.down_peak = down
                 self._judged = self.shape.means() if self.gate is not None else None
+                self._log_judgement(len(workers))
         self.boost = outage_boost(
             self.params, self.recovering, len(workers), self.down_peak, self.gate, self._judged
         )
         self._grant(serving)
         for hook in self.boost_hooks:
             hook(self.boost)
+
+    def _log_judgement(self, workers: int) -> None:
+        """What the boost gate decided for the recovery as it stands, for the operator: the factor
+        the cluster's slots call for, the gain the cost model gives it for the load's shape, and
+        whether it is granted."""
+        factor = outage_boost(self.params, True, workers, self.down_peak)
+        if self.gate is None or self._judged is None or factor <= 1.0:
+            return
+        p, o = self._judged
+        gain = boost_gain(self.gate, factor, p, o)
+        log.info(
+            "outage boost judged",
+            factor=round(factor, 3),
+            gain=round(gain, 4),
+            min_gain=self.params.boost_min_gain,
+            granted=self.params.boost_min_gain <= 0 or gain >= self.params.boost_min_gain,
+            prompt_tokens=round(p, 1),
+            output_tokens=round(o, 1),
+            shape_measured=self.shape.ready,
+        )
 
     def _grant(self, serving: list[WorkerRecord]) -> None:
         now = self.clock()
