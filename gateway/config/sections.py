@@ -299,6 +299,9 @@ class TimeoutsSection:
     worker_connect_s: float = 2.0
     request_timeout_s: float = 3600.0
     shutdown_grace_s: float = 5.0
+    # how long a stopping gateway lets its control-plane calls end before cancelling them; the
+    # workers' Attach streams never end by themselves, so with workers attached a stop takes all of it
+    control_stop_grace_s: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)

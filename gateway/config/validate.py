@@ -360,6 +360,12 @@ def _timeouts_and_cluster(cfg: Config) -> None:
     _positive("timeouts.worker_connect_s", to.worker_connect_s)
     _positive("timeouts.request_timeout_s", to.request_timeout_s)
     _check(to.shutdown_grace_s >= 0, "timeouts.shutdown_grace_s", to.shutdown_grace_s, "must be >= 0")
+    _check(
+        0 <= to.control_stop_grace_s <= 60,
+        "timeouts.control_stop_grace_s",
+        to.control_stop_grace_s,
+        "must be in [0, 60] seconds",
+    )
     cl = cfg.cluster
     _check(1 <= cl.workers <= 256, "cluster.workers", cl.workers, "must be in 1..256")
     _check(

@@ -325,7 +325,7 @@ class Gateway:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self._grpc is not None:
-            await self._grpc.stop(grace=0.5)
+            await self._grpc.stop(grace=self.config.timeouts.control_stop_grace_s)
         if self._http is not None:
             await self._http.close()
         if self._token_file is not None:

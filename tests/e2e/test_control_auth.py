@@ -57,9 +57,9 @@ def evil_hello(worker_id: str, incarnation: int, token: str = "") -> pb.Hello:
 def cluster(tmp_path: Path) -> Any:
     # no LUMEN_CONTROL_TOKEN: the gateway must generate one; fault injection off as in production
     env = {k: v for k, v in os.environ.items() if not k.startswith("LUMEN_")}
-    with ClusterProcess(
-        workers=2, log_dir=tmp_path, env=env, overrides={"cluster.fault_injection": False}
-    ) as c:
+    # (a stopping gateway cancels the workers' control streams after 0.05 s, not 0.5 s: the teardown)
+    overrides = {"cluster.fault_injection": False, "timeouts.control_stop_grace_s": 0.05}
+    with ClusterProcess(workers=2, log_dir=tmp_path, env=env, overrides=overrides) as c:
         yield c
 
 

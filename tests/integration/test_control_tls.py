@@ -52,6 +52,7 @@ async def test_tls_control_plane(tmp_path: Path) -> None:
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "gateway.control_tls_cert": str(cert),
             "gateway.control_tls_key": str(key),
             "gateway.control_token_file": str(tmp_path / "token"),

@@ -29,6 +29,7 @@ async def cluster(
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "recovery.mode": "stop_restart",
             "limits.max_prompt_tokens": 2048,
             "health.heartbeat_interval_ms": 50,

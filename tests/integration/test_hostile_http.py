@@ -27,7 +27,16 @@ SHORT = {"limits.header_timeout_s": 1.5, "limits.body_timeout_s": 1.0, "limits.m
 
 @contextlib.asynccontextmanager
 async def running_gateway(**overrides: Any) -> AsyncIterator[Gateway]:
-    gw = Gateway(load_config(overrides={"gateway.port": 0, "gateway.control_port": 0, **overrides}))
+    gw = Gateway(
+        load_config(
+            overrides={
+                "gateway.port": 0,
+                "gateway.control_port": 0,
+                "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
+                **overrides,
+            }
+        )
+    )
     await gw.start()
     try:
         yield gw

@@ -67,6 +67,7 @@ async def lumen_cluster(n: int = 2, **overrides: Any) -> AsyncIterator[tuple[Gat
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "recovery.mode": "stop_restart",
             "health.heartbeat_interval_ms": 50,
             "health.heartbeat_misses": 6,
@@ -108,6 +109,7 @@ async def sglang_cluster(n: int = 2) -> AsyncIterator[tuple[Gateway, list[SGLang
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "recovery.mode": "stop_restart",
             "sglang.poll_interval_ms": 50,
             "sglang.workers": [{"url": s.url, "id": f"sg{i}"} for i, s in enumerate(servers)],

@@ -39,6 +39,7 @@ async def sglang_cluster(
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "recovery.mode": "lumen",
             "health.heartbeat_misses": 3,
             "sglang.poll_interval_ms": 50,
@@ -146,7 +147,12 @@ async def test_an_unready_server_is_not_attached_until_ready() -> None:
     server = await start_standin()
     server.set_not_ready(True)
     cfg = load_config(
-        overrides={"gateway.port": 0, "gateway.control_port": 0, "sglang.workers": [{"url": server.url}]}
+        overrides={
+            "gateway.port": 0,
+            "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,
+            "sglang.workers": [{"url": server.url}],
+        }
     )
     gw = Gateway(cfg)
     await gw.start()

@@ -36,6 +36,7 @@ async def cluster(
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "gateway.control_token": TOKEN,
             "recovery.mode": mode,
             "health.heartbeat_interval_ms": 50,
@@ -187,6 +188,7 @@ async def test_an_agentless_server_is_held_by_its_config() -> None:
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "recovery.mode": "lumen",
             "sglang.poll_interval_ms": 50,
             "sglang.workers": [{"url": server.url, "id": "sg0", "held_batch": HELD}],

@@ -36,6 +36,7 @@ async def cluster(
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "recovery.mode": mode,
             "health.heartbeat_misses": 20,  # a kill is seen by refused polls; silence needs 1 s here
             "sglang.poll_interval_ms": 50,

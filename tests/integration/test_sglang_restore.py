@@ -78,6 +78,7 @@ async def two_servers_with_holders(
         overrides={
             "gateway.port": 0,
             "gateway.control_port": 0,
+            "timeouts.control_stop_grace_s": 0.05,  # stop() cancels the workers' streams at once
             "recovery.mode": "lumen",
             "health.heartbeat_interval_ms": 20,
             "health.heartbeat_misses": 5,
