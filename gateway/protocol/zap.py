@@ -178,10 +178,12 @@ class ZapGuard:
 
     _registry: ClassVar[dict[int, ZapGuard]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+    # the `wait_s` of the guards `acquire` starts (tests shorten it; a guard keeps the one it began with)
+    default_wait_s: ClassVar[float] = KEY_WAIT_S
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, wait_s: float = KEY_WAIT_S) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, *, wait_s: float | None = None) -> None:
         self.ctx = ctx
-        self.wait_s = wait_s
+        self.wait_s = self.default_wait_s if wait_s is None else wait_s
         self.policies: dict[str, KeyPolicy] = {}
         self.stats = ZapStats()
         self.refusals = RefusalLog("plane_handshake_refused")
