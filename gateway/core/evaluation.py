@@ -18,6 +18,11 @@ Decisions on edge cases:
   the failure's own window on is within the bound, recovery time is 0. Too few (< 3) comparable
   windows after the last bad one: never recovered, None.
 - The failure-impact window of a run that never recovered extends to the end of the run.
+
+Every function that reads a run's records also takes them as `RecordArrays` (the same records as
+columns, built once per run: the simulator's summaries read each run's several times) and computes on
+the columns with numpy, with the same arithmetic as on the records one by one: the same values,
+exactly (sums and means by `math.fsum`, which is exact whatever the order).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
+from operator import attrgetter
 from typing import Literal
+
+import numpy as np
 
 Metric = Literal["ttft", "tpot"]
 
@@ -71,7 +80,78 @@ def tpot(r: RequestRecord) -> float | None:
     return (r.last_token - r.first_token) / (r.output_tokens - 1)
 
 
-_METRICS = {"ttft": ttft, "tpot": tpot}
+@dataclass(frozen=True, slots=True, eq=False)
+class RecordArrays:
+    """A run's records as columns: entry i of each array is record i's field, in the records' order.
+
+    None is NaN in the float columns (a record's times are never NaN: `RequestRecord` checks them).
+    """
+
+    arrival: np.ndarray  # float64
+    first_token: np.ndarray  # float64, NaN: None
+    last_token: np.ndarray  # float64, NaN: None
+    output_tokens: np.ndarray  # int64
+    interrupted: np.ndarray  # bool
+    error: np.ndarray  # bool
+    resume_delay: np.ndarray  # float64, NaN: None
+
+    @staticmethod
+    def of(records: Iterable[RequestRecord] | RecordArrays) -> RecordArrays:
+        """The records as columns (RecordArrays as they are)."""
+        if isinstance(records, RecordArrays):
+            return records
+        rows = records if isinstance(records, Sequence) else list(records)
+        n = len(rows)
+        times = np.array(
+            list(map(attrgetter("arrival", "first_token", "last_token", "resume_delay"), rows)),
+            dtype=np.float64,
+        )
+        arrival, first, last, resume = times.reshape(n, 4).T.copy()
+        return RecordArrays(
+            arrival,
+            first,
+            last,
+            np.fromiter(map(attrgetter("output_tokens"), rows), np.int64, n),
+            np.fromiter(map(attrgetter("interrupted"), rows), np.bool_, n),
+            np.fromiter(map(attrgetter("error"), rows), np.bool_, n),
+            resume,
+        )
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    def metric(self, metric: Metric) -> np.ndarray:
+        """`ttft` or `tpot` of every record (float64), NaN where it is None."""
+        if metric == "ttft":
+            return np.where(self.error, np.nan, self.first_token - self.arrival)
+        valid = (
+            ~self.error & (self.output_tokens >= 2) & ~np.isnan(self.first_token) & ~np.isnan(self.last_token)
+        )
+        span = np.where(valid, self.last_token - self.first_token, np.nan)
+        return span / np.where(valid, self.output_tokens - 1, 1)
+
+    def records(self) -> tuple[RequestRecord, ...]:
+        """The records again: equal to those the arrays were made of."""
+        out = []
+        for a, f, last, n, i, e, d in zip(
+            self.arrival.tolist(),
+            self.first_token.tolist(),
+            self.last_token.tolist(),
+            self.output_tokens.tolist(),
+            self.interrupted.tolist(),
+            self.error.tolist(),
+            self.resume_delay.tolist(),
+            strict=True,
+        ):
+            out.append(
+                RequestRecord(
+                    a, None if f != f else f, None if last != last else last, n, i, e, None if d != d else d
+                )
+            )
+        return tuple(out)
+
+
+Records = Iterable[RequestRecord] | RecordArrays
 
 
 def mean(values: Iterable[float | None]) -> float | None:
@@ -80,9 +160,15 @@ def mean(values: Iterable[float | None]) -> float | None:
     return math.fsum(present) / len(present) if present else None
 
 
-def mean_metric(records: Iterable[RequestRecord], metric: Metric) -> float | None:
+def mean_present(values: np.ndarray) -> float | None:
+    """`mean` of an array with NaN for None: the same value (fsum is exact, whatever the order)."""
+    present = values[~np.isnan(values)].tolist()
+    return math.fsum(present) / len(present) if present else None
+
+
+def mean_metric(records: Records, metric: Metric) -> float | None:
     """Cluster TTFT or TPOT: the mean over requests that have one."""
-    return mean(_METRICS[metric](r) for r in records)
+    return mean_present(RecordArrays.of(records).metric(metric))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,37 +179,37 @@ class Outcomes:
     interrupted: int
 
 
-def outcomes(records: Iterable[RequestRecord]) -> Outcomes:
-    total = errors = interrupted = 0
-    for r in records:
-        total += 1
-        errors += r.error
-        interrupted += r.interrupted
-    return Outcomes(total, total - errors, errors, interrupted)
+def outcomes(records: Records) -> Outcomes:
+    a = RecordArrays.of(records)
+    total, errors = len(a), int(np.count_nonzero(a.error))
+    return Outcomes(total, total - errors, errors, int(np.count_nonzero(a.interrupted)))
 
 
 def window_means(
-    records: Iterable[RequestRecord], metric: Metric, origin: float = 0.0, window_s: float = 2.0
+    records: Records, metric: Metric, origin: float = 0.0, window_s: float = 2.0
 ) -> tuple[float | None, ...]:
     """m(t) per arrival window [origin + k·w, origin + (k+1)·w); None for a window with no value."""
     if not window_s > 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
-    buckets: dict[int, list[float]] = {}
-    for r in records:
-        if r.arrival < origin:
-            raise ValueError(f"arrival {r.arrival} is before the run's origin {origin}")
-        k = math.floor((r.arrival - origin) / window_s)
-        value = _METRICS[metric](r)
-        bucket = buckets.setdefault(k, [])
-        if value is not None:
-            bucket.append(value)
-    n = max(buckets) + 1 if buckets else 0
-    return tuple(mean(buckets.get(k, ())) for k in range(n))
+    a = RecordArrays.of(records)
+    if len(a) == 0:
+        return ()
+    early = np.flatnonzero(~(a.arrival >= origin))  # NaN included: no window holds it
+    if len(early):
+        raise ValueError(f"arrival {a.arrival[early[0]]} is before the run's origin {origin}")
+    k = np.floor((a.arrival - origin) / window_s)
+    values = a.metric(metric)
+    present = ~np.isnan(values)
+    order = np.argsort(k[present], kind="stable")
+    keys, grouped = k[present][order], values[present][order].tolist()
+    n = int(k.max()) + 1
+    ends = np.searchsorted(keys, np.arange(n + 1, dtype=np.float64), side="left").tolist()
+    return tuple(math.fsum(grouped[lo:hi]) / (hi - lo) if hi > lo else None for lo, hi in pairwise(ends))
 
 
 def windowed_recovery_time(
-    failed: Sequence[RequestRecord],
-    baseline: Sequence[RequestRecord],
+    failed: Records,
+    baseline: Records,
     failure_at: float,
     metric: Metric = "ttft",
     origin: float = 0.0,
@@ -166,11 +252,13 @@ class Impact:
     requests: int  # arriving in the window, errors included
 
 
-def failure_impact(records: Iterable[RequestRecord], failure_at: float, recovery_s: float | None) -> Impact:
+def failure_impact(records: Records, failure_at: float, recovery_s: float | None) -> Impact:
     """Means over requests arriving in [failure, failure + recovery] (to the end if never recovered)."""
+    a = RecordArrays.of(records)
     end = math.inf if recovery_s is None else failure_at + recovery_s
-    inside = [r for r in records if failure_at <= r.arrival <= end]
-    return Impact(mean_metric(inside, "ttft"), mean_metric(inside, "tpot"), len(inside))
+    inside = (failure_at <= a.arrival) & (a.arrival <= end)
+    ttft_in, tpot_in = a.metric("ttft")[inside], a.metric("tpot")[inside]
+    return Impact(mean_present(ttft_in), mean_present(tpot_in), int(np.count_nonzero(inside)))
 
 
 def checkpoint_coverage(has_live_checkpoint: Iterable[bool]) -> float | None:

@@ -4,15 +4,19 @@ import math
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.core.evaluation import (
+    Impact,
+    RecordArrays,
     RequestRecord,
     checkpoint_coverage,
     failure_impact,
     holder_balance,
+    mean,
     mean_metric,
+    mean_present,
     outcomes,
     tpot,
     ttft,
@@ -152,3 +156,71 @@ def test_invalid_records_raise() -> None:
         RequestRecord(2.0, 1.0, 3.0, 2)
     with pytest.raises(ValueError, match="at least 1"):
         RequestRecord(0.0, 1.0, 1.0, 0)
+
+
+# -- the columns (RecordArrays, numpy) against the loops they replaced ------------------------------
+
+
+def ref_mean_metric(rs: Sequence[RequestRecord], metric: str) -> float | None:
+    fn = ttft if metric == "ttft" else tpot
+    present = [v for v in (fn(r) for r in rs) if v is not None]
+    return math.fsum(present) / len(present) if present else None
+
+
+def ref_window_means(
+    rs: Sequence[RequestRecord], metric: str, origin: float, window_s: float
+) -> tuple[float | None, ...]:
+    fn = ttft if metric == "ttft" else tpot
+    buckets: dict[int, list[float]] = {}
+    for r in rs:
+        k = math.floor((r.arrival - origin) / window_s)
+        value = fn(r)
+        bucket = buckets.setdefault(k, [])
+        if value is not None:
+            bucket.append(value)
+    n = max(buckets) + 1 if buckets else 0
+    return tuple(math.fsum(b) / len(b) if (b := buckets.get(k, [])) else None for k in range(n))
+
+
+varied = st.builds(
+    lambda a, t, span, n, err, intr, delay: RequestRecord(
+        a, None if n == 0 else a + t, None if n == 0 else a + t + span * (n > 1), n, intr, err, delay
+    ),
+    st.one_of(st.integers(0, 40).map(lambda k: k / 4), st.floats(0, 100)),
+    st.one_of(st.sampled_from([0.0, 0.1, 1.0]), st.floats(0, 10)),
+    st.floats(0, 30),
+    st.integers(0, 50),
+    st.booleans(),
+    st.booleans(),
+    st.one_of(st.none(), st.floats(0, 5)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(varied, max_size=60),
+    st.floats(-10, 110),
+    st.one_of(st.none(), st.floats(0, 50)),
+    st.sampled_from([0.7, 2.0, 5.0]),
+)
+def test_columns_give_the_loops_values(
+    rs: list[RequestRecord], fail: float, recovery: float | None, w: float
+) -> None:
+    """Every summary computed on the columns equals the loop over the records, exactly."""
+    cols = RecordArrays.of(rs)
+    assert cols.records() == tuple(rs) and RecordArrays.of(iter(rs)).records() == tuple(rs)
+    for source in (rs, cols):
+        for metric in ("ttft", "tpot"):
+            assert mean_metric(source, metric) == ref_mean_metric(rs, metric)
+            assert window_means(source, metric, -1.0, w) == ref_window_means(rs, metric, -1.0, w)
+        o = outcomes(source)
+        assert (o.total, o.errors, o.interrupted) == (
+            len(rs),
+            sum(r.error for r in rs),
+            sum(r.interrupted for r in rs),
+        )
+        end = math.inf if recovery is None else fail + recovery
+        inside = [r for r in rs if fail <= r.arrival <= end]
+        impact = failure_impact(source, fail, recovery)
+        assert impact == Impact(ref_mean_metric(inside, "ttft"), ref_mean_metric(inside, "tpot"), len(inside))
+    assert mean_present(cols.resume_delay) == mean(r.resume_delay for r in rs)
