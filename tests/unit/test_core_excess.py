@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core.evaluation import RequestRecord
+from gateway.core import excess
+from gateway.core.evaluation import RecordArrays, RequestRecord, tpot, ttft
 from gateway.core.excess import (
     ExcessPoint,
+    Metric,
     RecoveryParams,
     measure,
     paired_excess,
     recovery_from,
     rolling_median,
+    smoothed,
+    window_bounds,
+    window_medians,
 )
 from gateway.core.types import ParamError
 
@@ -152,3 +160,204 @@ def test_params_are_checked() -> None:
         RecoveryParams(sustain_s=-1.0)
     with pytest.raises(ParamError, match="min_requests"):
         RecoveryParams(min_requests=0)
+
+
+# -- the vectorised measure against the loops it replaced -------------------------------------------
+# The measure computes on numpy columns (gateway/core/excess.py). These are the loop forms it had
+# before, kept as references: on any series the columns must give the same answers exactly.
+
+
+def ref_windows(times: Sequence[float], half_s: float, min_n: int) -> list[tuple[int, int]]:
+    n = len(times)
+    h = min_n // 2
+    out: list[tuple[int, int]] = []
+    lo = hi = 0
+    for i, t in enumerate(times):
+        while times[lo] < t - half_s:
+            lo += 1
+        while hi < n and times[hi] <= t + half_s:
+            hi += 1
+        out.append((min(lo, max(0, i - h), max(0, n - min_n)), max(hi, min(n, i + h + 1), min(n, min_n))))
+    return out
+
+
+def ref_rolling_median(values: Sequence[float], windows: Sequence[tuple[int, int]]) -> list[float]:
+    window: list[float] = []
+    lo = hi = 0
+    out: list[float] = []
+    for a, b in windows:
+        if a < lo or b < hi:
+            raise ValueError("window ends must be non-decreasing")
+        for v in values[hi:b]:
+            insort(window, v)
+        for v in values[lo:a]:
+            del window[bisect_left(window, v)]
+        lo, hi = a, b
+        m = len(window)
+        if m == 0:
+            raise ValueError("empty window")
+        out.append(window[m // 2] if m % 2 else (window[m // 2 - 1] + window[m // 2]) / 2)
+    return out
+
+
+def ref_smoothed(
+    points: Sequence[ExcessPoint], params: RecoveryParams, metric: Metric
+) -> tuple[list[float], list[float]]:
+    if not points:
+        return [], []
+    windows = ref_windows([p.arrival for p in points], params.smooth_s / 2, params.min_requests)
+    s = ref_rolling_median([p.excess for p in points], windows)
+    ref = ref_rolling_median([p.reference for p in points], windows)
+    return s, [max(params.floor(metric), params.bound_rel * r) for r in ref]
+
+
+def ref_recovery_from(
+    points: Sequence[ExcessPoint], failure_at: float, params: RecoveryParams, metric: Metric = "ttft"
+) -> float | None:
+    s, bound = ref_smoothed(points, params, metric)
+    start: float | None = failure_at
+    for p, si, bi in zip(points, s, bound, strict=True):
+        if p.arrival < failure_at:
+            continue
+        if si > bi:
+            start = None
+            continue
+        if start is None:
+            start = p.arrival
+        if p.arrival >= start + params.sustain_s:
+            return start - failure_at
+    return None
+
+
+def ref_paired_excess(
+    failed: Sequence[RequestRecord], twin: Sequence[RequestRecord], metric: Metric
+) -> list[ExcessPoint]:
+    fn = ttft if metric == "ttft" else tpot
+    points: list[ExcessPoint] = []
+    for f, t in zip(failed, twin, strict=True):
+        ref = fn(t)
+        if ref is None:
+            continue
+        got = fn(f)
+        if got is None and not f.error:
+            continue
+        points.append(ExcessPoint(f.arrival, math.inf if got is None else got - ref, ref))
+    points.sort(key=lambda p: p.arrival)
+    return points
+
+
+# arrivals on a coarse grid (ties) or anywhere; excess with ties, zeros, failures (inf) and negatives
+ARRIVALS = st.one_of(
+    st.lists(st.integers(0, 160).map(lambda k: k / 4), max_size=90),
+    st.lists(st.floats(0.0, 60.0), max_size=90),
+)
+EXCESS = st.one_of(st.sampled_from([0.0, 0.01, 0.05, 0.2, 1.0, 3.0, -0.1, math.inf]), st.floats(-1.0, 50.0))
+REFERENCE = st.one_of(st.sampled_from([0.0, 0.1, 0.2, 1.0]), st.floats(0.0, 5.0))
+PARAMS = st.builds(
+    RecoveryParams,
+    smooth_s=st.sampled_from([0.0, 0.5, 2.0, 10.0]),
+    min_requests=st.integers(1, 8),
+    bound_rel=st.sampled_from([0.0, 0.1, 0.5]),
+    sustain_s=st.sampled_from([0.0, 0.75, 5.0, 20.0]),
+)
+
+
+@st.composite
+def excess_points(draw: st.DrawFn) -> list[ExcessPoint]:
+    arrivals = sorted(draw(ARRIVALS))
+    return [ExcessPoint(a, draw(EXCESS), draw(REFERENCE)) for a in arrivals]
+
+
+@settings(max_examples=300, deadline=None)
+@given(excess_points(), PARAMS, st.floats(-5.0, 70.0), st.sampled_from([1, 2, 3, 4096]))
+def test_recovery_equals_the_loop(
+    points: list[ExcessPoint], params: RecoveryParams, fail: float, chunk: int
+) -> None:
+    """recovery_from (windows by binary search, medians by selection, the scan in chunks) answers as
+    the loop did, on any series: ties, failed requests, empty runs, failures before or after it all."""
+    first = (excess.FIRST_CHUNK, excess.MAX_CHUNK)
+    excess.FIRST_CHUNK, excess.MAX_CHUNK = chunk, max(chunk, 4)  # small chunks: the scan's carry
+    try:
+        for metric in ("ttft", "tpot"):
+            assert recovery_from(points, fail, params, metric) == ref_recovery_from(
+                points, fail, params, metric
+            )
+    finally:
+        excess.FIRST_CHUNK, excess.MAX_CHUNK = first
+    if points:
+        assert window_bounds_list(points, params) == ref_windows(
+            [p.arrival for p in points], params.smooth_s / 2, params.min_requests
+        )
+    assert smoothed(points, params) == ref_smoothed(points, params, "ttft")
+
+
+def window_bounds_list(points: Sequence[ExcessPoint], params: RecoveryParams) -> list[tuple[int, int]]:
+    lo, hi = window_bounds(np.array([p.arrival for p in points]), params.smooth_s / 2, params.min_requests)
+    return list(zip(lo.tolist(), hi.tolist(), strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(EXCESS, min_size=1, max_size=60), st.data())
+def test_rolling_median_equals_the_sorted_window(values: list[float], data: st.DataObject) -> None:
+    """Any non-decreasing windows (repeated, growing, jumping); window_medians also takes any others."""
+    n = len(values)
+    ends = sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=2 * n + 2)))
+    lo, hi = ends[: len(ends) // 2], ends[len(ends) - len(ends) // 2 :]
+    windows = [(a, b) for a, b in zip(lo, hi, strict=True) if b > a]
+    assert rolling_median(values, windows) == ref_rolling_median(values, windows)
+    anywhere = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(1, n)), max_size=20))
+    anywhere = [(min(a, b - 1), b) for a, b in anywhere]
+    got = window_medians(
+        np.array(values),
+        np.array([a for a, _ in anywhere], dtype=np.int64),
+        np.array([b for _, b in anywhere], dtype=np.int64),
+    )
+    assert got.tolist() == [ref_rolling_median(values[a:b], [(0, b - a)])[0] for a, b in anywhere]
+
+
+def test_rolling_median_refuses_what_the_loop_refused() -> None:
+    values = [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="empty"):
+        rolling_median(values, [(0, 1), (1, 1), (0, 2)])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        rolling_median(values, [(0, 2), (1, 1)])
+    assert rolling_median(values, []) == []
+    assert smoothed([], P) == ([], []) and recovery_from([], 0.0) is None
+
+
+@st.composite
+def paired_runs(draw: st.DrawFn) -> tuple[list[RequestRecord], list[RequestRecord]]:
+    """The same requests in two runs: each may fail (error), have no token, or one token only."""
+
+    def one(arrival: float) -> RequestRecord:
+        kind = draw(st.sampled_from(["ok", "ok", "ok", "error", "lost", "one"]))
+        t = draw(st.sampled_from([0.0, 0.1, 0.5, 2.0]) | st.floats(0.0, 10.0))
+        if kind == "lost":
+            return RequestRecord(arrival, None, None, 0, interrupted=True, error=True)
+        tokens = 1 if kind == "one" else draw(st.integers(2, 40))
+        last = arrival + t + draw(st.floats(0.0, 5.0)) * (tokens > 1)
+        return RequestRecord(arrival, arrival + t, last, tokens, error=kind == "error")
+
+    arrivals = draw(ARRIVALS)  # in request order, not sorted: the measure sorts by arrival
+    return [one(a) for a in arrivals], [one(a) for a in arrivals]
+
+
+@settings(max_examples=200, deadline=None)
+@given(paired_runs(), st.floats(-5.0, 70.0), PARAMS)
+def test_measure_equals_the_loop(
+    runs: tuple[list[RequestRecord], list[RequestRecord]], fail: float, params: RecoveryParams
+) -> None:
+    failed, twin = runs
+    for metric in ("ttft", "tpot"):
+        points = ref_paired_excess(failed, twin, metric)
+        assert paired_excess(failed, twin, metric) == points
+        finite = [p.excess for p in points if math.isfinite(p.excess)]
+        want = (
+            ref_recovery_from(points, fail, params, metric),
+            math.fsum(finite),
+            len(points) - len(finite),
+            len(points),
+        )
+        m = measure(failed, twin, fail, metric, params)
+        assert (m.recovery_s, m.excess_request_s, m.lost, m.compared) == want
+        assert measure(RecordArrays.of(failed), RecordArrays.of(twin), fail, metric, params) == m
