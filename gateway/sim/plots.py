@@ -40,7 +40,7 @@ def plot_report(report: ScenarioReport, out: Path, window_s: float = 2.0) -> lis
     first = next(iter(report.runs), None)
     if first is not None:
         base = report.baseline_for(first)
-        m = window_means(base.records, "ttft", 0.0, window_s)
+        m = window_means(base.arrays, "ttft", 0.0, window_s)
         ax.plot(
             np.arange(len(m)) * window_s,
             [np.nan if v is None else v for v in m],
@@ -50,7 +50,7 @@ def plot_report(report: ScenarioReport, out: Path, window_s: float = 2.0) -> lis
             label="no failure",
         )
     for mode, run in report.runs.items():
-        m = window_means(run.records, "ttft", 0.0, window_s)
+        m = window_means(run.arrays, "ttft", 0.0, window_s)
         (line,) = ax.plot(
             np.arange(len(m)) * window_s, [np.nan if v is None else v for v in m], linewidth=1, label=mode
         )

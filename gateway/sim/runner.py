@@ -104,7 +104,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
     """The per-mode summary of EVALUATION.md for a failure run and its no-failure twin."""
-    recs, ref = run.records, base.records
+    recs, ref = run.arrays, base.arrays  # the records as columns (the same values, computed with numpy)
     out: dict[str, Any] = {
         "ttft_mean_s": _r(ev.mean_metric(recs, "ttft")),
         "tpot_mean_s": _r(ev.mean_metric(recs, "tpot"), 5),
@@ -147,7 +147,7 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
         client_errors=o.errors,
         requests=o.total,
         interrupted=o.interrupted,
-        resume_delay_mean_s=_r(ev.mean(r.resume_delay for r in recs)),
+        resume_delay_mean_s=_r(ev.mean_present(recs.resume_delay)),
         checkpoint_coverage=_r(s.coverage),
         # max/min over HEALTHY workers; "inf" when some held nothing while others held some
         holder_balance="inf" if s.holder_balance == math.inf else _r(s.holder_balance, 3),
@@ -240,8 +240,8 @@ def common_window(report: ScenarioReport) -> None:
     horizon = max(times[len(times) // 2], ROBUST_WINDOW_S) if times else None
     for mode, run in report.runs.items():
         base = report.baseline_for(mode)
-        got = ev.failure_impact(run.records, fail, horizon).mean_ttft
-        ref = ev.failure_impact(base.records, fail, horizon).mean_ttft
+        got = ev.failure_impact(run.arrays, fail, horizon).mean_ttft
+        ref = ev.failure_impact(base.arrays, fail, horizon).mean_ttft
         report.modes[mode].update(
             window_s=horizon,
             ttft_after_failure_s=_r(got),

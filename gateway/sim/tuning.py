@@ -54,7 +54,8 @@ class Grid:
 def _score(run: RunResult, horizon: float) -> float | None:
     assert run.failure_at is not None
     end = run.failure_at + horizon
-    return ev.mean_metric([r for r in run.records if run.failure_at <= r.arrival <= end], "ttft")
+    arrival = run.arrays.arrival
+    return ev.mean_present(run.arrays.metric("ttft")[(run.failure_at <= arrival) & (arrival <= end)])
 
 
 def tune(
@@ -102,25 +103,25 @@ def tune(
     for point, result, base in rows:
         assert result.failure_at is not None
         # recovery against the no-failure twin (docs/evaluation.md); the 5 s-window rule kept alongside
-        twin = ex.measure(result.records, base.records, result.failure_at, "ttft")
+        twin = ex.measure(result.arrays, base.arrays, result.failure_at, "ttft")
         point["recovery_time_s"] = twin.recovery_s
         point["excess_ttft_request_s"] = twin.excess_request_s
         point["recovery_time_tpot_s"] = ex.measure(
-            result.records, base.records, result.failure_at, "tpot"
+            result.arrays, base.arrays, result.failure_at, "tpot"
         ).recovery_s
         point["recovery_time_robust_s"] = ev.windowed_recovery_time(
-            result.records,
-            base.records,
+            result.arrays,
+            base.arrays,
             result.failure_at,
             "ttft",
             window_s=ROBUST_WINDOW_S,
             slack=ROBUST_SLACK,
         )
-        impact = ev.failure_impact(result.records, result.failure_at, point["recovery_time_s"])
+        impact = ev.failure_impact(result.arrays, result.failure_at, point["recovery_time_s"])
         point["impact_ttft_mean_s"] = impact.mean_ttft
         point["impact_tpot_mean_s"] = impact.mean_tpot
         point["restores"], point["replays"] = result.stats.restores, result.stats.replays
-        point["client_errors"] = ev.outcomes(result.records).errors
+        point["client_errors"] = ev.outcomes(result.arrays).errors
         rec_s = point["recovery_time_robust_s"]
         if rec_s is not None:
             recoveries.append(rec_s)
