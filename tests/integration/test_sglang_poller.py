@@ -77,3 +77,62 @@ async def test_stop_still_stops_the_watchers() -> None:
         await poller.stop()
         assert all(t.done() for t in tasks) and not poller._tasks
     await server.stop()
+
+
+class StopAsPollEnds:
+    """A client session that starts the poller's stop just as a poll's last read ends: the stop's
+    cancellation reaches the watcher while its finished poll's result waits to be handed over, which
+    Python 3.11's wait_for hands over and drops the cancellation."""
+
+    def __init__(self) -> None:
+        self.real = aiohttp.ClientSession()
+        self.poller: SGLangPoller | None = None
+        self.stop: asyncio.Task[None] | None = None
+
+    def get(self, url: str, **kwargs: Any) -> Any:
+        return _Ending(self, self.real.get(url, **kwargs), "/v1/loads" in url)
+
+
+class _Ending:
+    def __init__(self, owner: StopAsPollEnds, cm: Any, last: bool) -> None:
+        self.owner, self.cm, self.last = owner, cm, last
+
+    async def __aenter__(self) -> Any:
+        return await self.cm.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.cm.__aexit__(*exc)
+        owner = self.owner
+        poller = owner.poller
+        if self.last and poller is not None and owner.stop is None and "sg0" in poller.monitor.workers:
+            # no await after this: the poll returns in this step, the stop's cancellation comes next
+            def stop() -> None:
+                owner.stop = asyncio.ensure_future(poller.stop())
+
+            asyncio.get_running_loop().call_soon(stop)
+
+
+async def test_a_stop_that_arrives_as_a_poll_ends_stops_the_watcher_at_once() -> None:
+    server = await start_standin()
+    monitor = LoadMonitor(clock=time.monotonic, heartbeat_interval_s=0.05, heartbeat_misses=20)
+    http = StopAsPollEnds()
+    # a stop waits for a watcher up to 2 x 0.05 x 20 + 1 = 3 s
+    target = SGLangTarget("sg0", server.url)
+    poller = SGLangPoller(
+        monitor, cast(aiohttp.ClientSession, http), [target], poll_interval_s=0.05, misses=20
+    )
+    http.poller = poller
+    poller.start()
+    tasks = list(poller._tasks)
+    try:
+        async with asyncio.timeout(10):
+            while http.stop is None:
+                await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await http.stop
+        assert time.monotonic() - t0 < 1.0  # a poll interval or two, not the 3 s bound
+        assert all(t.done() for t in tasks) and not poller._tasks
+    finally:
+        await poller.stop()
+        await http.real.close()
+        await server.stop()

@@ -106,7 +106,10 @@ class SGLangPoller:
     async def _watch(self, t: SGLangTarget) -> None:
         rec: WorkerRecord | None = None
         unready = 0
-        while True:
+        # not `while True`: Python 3.11's wait_for (in _poll) returns the poll's result, or raises its
+        # error, when the stop's cancellation arrives just as the poll ends; the cancellation is lost and
+        # only this ends the watcher (else stop() waits out its bound)
+        while not self._stopping:
             if (
                 rec is None
                 or self.monitor.workers.get(t.worker_id) is not rec
@@ -136,6 +139,8 @@ class SGLangPoller:
 
     async def _attach_when_ready(self, t: SGLangTarget) -> WorkerRecord:
         while True:
+            if self._stopping:  # a stop's cancellation lost in _poll (see _watch)
+                raise asyncio.CancelledError
             try:
                 loads = await self._poll(t)
             except (_Unready, TimeoutError, aiohttp.ClientError, ConnectionError, msgspec.DecodeError):
