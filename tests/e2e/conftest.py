@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,62 @@ def cluster_factory(tmp_path: Path) -> Iterator[Any]:
     yield start
     for c in started:
         c.stop()
+
+
+SHARED_WORKERS = 3
+
+
+@pytest.fixture(scope="session")
+def _shared_clusters() -> Iterator[dict[str, ClusterProcess]]:
+    running: dict[str, ClusterProcess] = {}
+    yield running
+    for c in running.values():
+        c.stop()
+
+
+@pytest.fixture
+def shared_cluster(
+    request: pytest.FixtureRequest,
+    _shared_clusters: dict[str, ClusterProcess],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ClusterProcess]:
+    """`lumen cluster up` with 3 workers in stop_restart and E2E_OVERRIDES, one for every test that takes
+    it (a start and a stop each saved): started by the first of them, stopped after the last. Such a test
+    leaves the cluster as it found it (every worker HEALTHY: a worker it killed or hung has come back)
+    and reads the cluster's history only for its own victims (their incarnations) or as differences;
+    each gets its 3 workers HEALTHY, else a fresh cluster."""
+    c = _shared_clusters.get("stop_restart")
+    if c is not None and not _all_healthy(c):
+        c.stop()
+        c = None
+    if c is None:
+        c = ClusterProcess(
+            workers=SHARED_WORKERS,
+            mode="stop_restart",
+            overrides=E2E_OVERRIDES,
+            log_dir=tmp_path_factory.mktemp("shared-cluster"),
+        )
+        c.__enter__()
+        _shared_clusters["stop_restart"] = c
+    yield c
+    items = request.session.items
+    later = items[items.index(request.node) + 1 :] if request.node in items else []
+    if not any("shared_cluster" in getattr(i, "fixturenames", ()) for i in later):
+        c.stop()  # its last user: not left running through the tests that follow
+        del _shared_clusters["stop_restart"]
+
+
+def _all_healthy(c: ClusterProcess, within_s: float = 30.0) -> bool:
+    """Whether the cluster runs and all its workers are (or within `within_s` become) HEALTHY."""
+    deadline = time.monotonic() + within_s
+    while c.proc is not None and c.proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(c.url + "/admin/workers", timeout=5) as resp:
+                ws = json.loads(resp.read())
+            if len(ws) == SHARED_WORKERS and all(w["state"] == "HEALTHY" for w in ws):
+                return True
+        time.sleep(0.05)
+    return False
 
 
 def make_requests(n: int, seed: int, *, min_out: int = 60, max_out: int = 160) -> list[RequestResult]:

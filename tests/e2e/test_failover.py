@@ -17,23 +17,29 @@ from tests.e2e.conftest import (
 )
 
 
-async def test_kill_busiest_worker_mid_generation(cluster_factory) -> None:
-    c = cluster_factory(workers=3, mode="stop_restart")
+async def test_kill_busiest_worker_mid_generation(shared_cluster) -> None:
+    c = shared_cluster  # shared with test_cluster.py and the hang below: the victim read by incarnation
     reqs = make_requests(60, seed=11)
     load = asyncio.create_task(run_requests(c.url, reqs))
     killed = await kill_busiest(c.url, "kill", min_running=10)
+    old_inc = killed["victim"]["incarnation"]
     results = await load
     assert_exact(results)
 
     sessions = await admin(c.url, "GET", "/admin/sessions")
-    interrupted = [i for i in sessions["interrupted"] if i["worker"] == killed["worker"]]
+    interrupted = [
+        i for i in sessions["interrupted"] if i["worker"] == killed["worker"] and i["incarnation"] == old_inc
+    ]
     assert len(interrupted) >= 10, "the busiest worker's requests must have been interrupted and resumed"
     assert all(i["resumed_on"] not in (None, killed["worker"]) for i in interrupted)
     events = await admin(c.url, "GET", "/admin/events")
-    failed = [e for e in events if e["worker"] == killed["worker"] and e["to"] == "FAILED"]
+    failed = [
+        e
+        for e in events
+        if e["worker"] == killed["worker"] and e["to"] == "FAILED" and e["incarnation"] == old_inc
+    ]
     assert failed and failed[0]["t"] - killed["at"] < 1.0
     # the supervisor restarts it as a new incarnation, which rejoins after its modelled load time
-    old_inc = killed["victim"]["incarnation"]
     await wait_for(
         c.url,
         lambda ws: any(
@@ -44,8 +50,8 @@ async def test_kill_busiest_worker_mid_generation(cluster_factory) -> None:
     )
 
 
-async def test_hung_worker_is_fenced_and_its_zombie_tokens_never_reach_clients(cluster_factory) -> None:
-    c = cluster_factory(workers=3, mode="stop_restart")
+async def test_hung_worker_is_fenced_and_its_zombie_tokens_never_reach_clients(shared_cluster) -> None:
+    c = shared_cluster
     reqs = make_requests(30, seed=12)
     load = asyncio.create_task(run_requests(c.url, reqs))
     hung = await kill_busiest(c.url, "hang", min_running=5)
