@@ -66,6 +66,8 @@ def test_loadtest_writes_the_sim_contract(tmp_path: Path, modes: str, run: list[
     cmd += ["--modes", modes, "--rate", "6", *run]
     # a stuck stream ends the run (exit 1, listed) 40 s after the last arrival, inside pytest's timeout
     cmd += ["--max-running", "8", "--set", "engine.page_size=16", "--poll", "0.5", "--drain-s", "40"]
+    # each cluster's gateway cancels its workers' control streams 0.05 s into its stop, not 0.5 s
+    cmd += ["--set", "timeouts.control_stop_grace_s=0.05"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S - 10)
     except subprocess.TimeoutExpired as exc:

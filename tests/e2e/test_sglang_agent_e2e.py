@@ -46,6 +46,9 @@ E2E_SETTINGS = [
     "health.heartbeat_misses=4",
     "--set",
     'gateway.log_level="info"',
+    # a stopping gateway cancels the agents' control streams after 0.05 s, not 0.5 s (the teardown)
+    "--set",
+    "timeouts.control_stop_grace_s=0.05",
 ]
 
 
