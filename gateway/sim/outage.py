@@ -21,10 +21,12 @@ from gateway.core.outage import (
     OutageParams,
     admission_limit,
     backlog_drained,
+    boost_gain,
     outage_boost,
     queue_rank,
 )
 from gateway.sim.request import SimRequest
+from gateway.sim.result import BoostJudgement
 from gateway.sim.worker import SimWorker, fifo_rank
 
 
@@ -46,6 +48,7 @@ class SimOutage:
         self.down_peak = 0  # the most workers out at once during the current recovery
         self.boost = 1.0  # the batch-limit factor in force (`outage_boost`; 1 outside a recovery)
         self.base_running = workers[0].max_running if workers else 0
+        self.judgements: list[BoostJudgement] = []  # the boost as judged, for the run's summary
 
     def rank(self, r: SimRequest) -> tuple[int, float]:
         """Where `r` joins its worker's queue (core `queue_rank`)."""
@@ -86,7 +89,14 @@ class SimOutage:
             down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY)
             self.down_peak = max(self.down_peak, down)
         shape = self.shape.means() if self.gate is not None else None
-        self.boost = outage_boost(self.params, on, len(self.workers), self.down_peak, self.gate, shape)
+        n = len(self.workers)
+        self.boost = outage_boost(self.params, on, n, self.down_peak, self.gate, shape)
+        factor = outage_boost(self.params, on, n, self.down_peak)  # what the lost slots call for
+        if factor > 1.0:
+            gain = None
+            if self.gate is not None and shape is not None:
+                gain = boost_gain(self.gate, factor, shape[0], shape[1])
+            self.judgements.append(BoostJudgement(now, factor, gain, self.boost > 1.0))
         limit = admission_limit(self.base_running, self.boost)
         for w in self.workers:
             if w.max_running != limit:

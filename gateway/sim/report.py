@@ -28,6 +28,7 @@ COLUMNS = (
     ("ttft_after_failure_x_baseline", "x no-failure (common)", "{:.2f}"),
     ("reload_source", "reload", "{}"),
     ("reload_s", "reload s", "{:.1f}"),
+    ("outage_boost", "boost", "{:.2f}"),
     ("client_errors", "errors", "{}"),
     ("interrupted", "interrupted", "{}"),
     ("restores", "restores", "{}"),

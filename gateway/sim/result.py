@@ -39,6 +39,18 @@ class Reload:
 
 
 @dataclass(frozen=True, slots=True)
+class BoostJudgement:
+    """The outage boost as judged when a recovery began or more workers went out (core/outage.py):
+    the factor the cluster's lost slots call for, the gain the cost model gives it for the load's
+    shape then (None: no gate), and whether it was granted."""
+
+    at_s: float
+    factor: float
+    gain: float | None
+    granted: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RunStats:
     restores: int
     replays: int
@@ -51,6 +63,7 @@ class RunStats:
     events: int
     degradations: int = 0  # gray-failure verdicts (workers marked DEGRADED)
     reloads: tuple[Reload, ...] = ()  # every restart's reload, in the order they began
+    boosts: tuple[BoostJudgement, ...] = ()  # Lumen's modes: every judgement of the outage boost
 
 
 @dataclass(frozen=True, slots=True)

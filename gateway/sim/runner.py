@@ -175,6 +175,13 @@ def metrics(run: RunResult, base: RunResult) -> dict[str, Any]:
             }
             for rl in s.reloads
         ],
+        # Lumen's modes: the outage boost (core/outage.py), the largest factor granted, and every
+        # judgement of it with the cost model's gain for the load's shape then
+        outage_boost=_r(max((b.factor for b in s.boosts if b.granted), default=1.0)),
+        outage_boosts=[
+            {"at_s": _r(b.at_s, 3), "factor": _r(b.factor, 4), "gain": _r(b.gain, 4), "granted": b.granted}
+            for b in s.boosts
+        ],
         simulated_s=round(run.simulated_s, 2),
         events=s.events,
     )

@@ -396,6 +396,7 @@ class Simulation:
             events=events,
             degradations=self.gray.degradations,
             reloads=self.reloads.records(),
+            boosts=tuple(self.coord.outage.judgements),
         )
         return RunResult.collect(
             self.requests, self.failures, self.now, [w.id for w in self.workers], self.samples, stats

@@ -234,10 +234,16 @@ def test_on_a_measured_prefill_bound_load_the_boost_gate_keeps_the_batch_limit()
         return [e.boost for e in rec.events if isinstance(e, tr.Outage) and e.recovering], res
 
     gated, res = boosts(None)  # the default gate
-    ungated, _ = boosts(0.0)
+    ungated, res0 = boosts(0.0)
     assert gated and all(b == 1.0 for b in gated)  # a recovery, shortest first, no larger batch
     assert max(ungated) == 1.5
     assert not any(r.error for r in res.records)
+    # the run's stats keep every judgement: the factor 2 of 2 workers' slots call for (capped at
+    # 1.5), the cost model's gain for the measured shape, granted or not
+    (j,) = res.stats.boosts
+    assert j.at_s >= 60.0 and j.factor == 1.5 and j.gain is not None and j.gain < 1.05 and not j.granted
+    (j0,) = res0.stats.boosts
+    assert j0.granted and j0.gain == j.gain
 
 
 def test_shortest_prefill_first_orders_a_survivors_queue_only_while_recovering() -> None:
