@@ -261,22 +261,13 @@ def table(args: argparse.Namespace) -> None:
     recovery_spread(rows)
 
 
-def recovery_spread(rows: list[dict[str, Any]]) -> None:
-    """Recovery time, paired by seed: lumen − fixed_checkpoint beside stop_restart − fixed_checkpoint.
-
-    The two baselines differ only in whether an interrupted request restores its checkpoint, which
-    on short-output loads moves almost no work, so their per-seed difference is the measure's own
-    spread on that shape (on bursty arrivals the recovery instant snaps to the start of a burst)."""
+def recovery_diffs(rows: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[list[float], list[float]]]:
+    """(shape, variant) -> (lumen − fixed_checkpoint, stop_restart − fixed_checkpoint) recovery
+    seconds, paired by seed, baselines from disk; seeds where one of them did not recover are left out."""
     base: dict[tuple[str, int], dict[str, Any]] = {}
     for r in rows:
         if r["variant"] == "base-disk":
             base[(r["shape"], r["seed"])] = r["modes"]
-    print(
-        "\nRecovery time (s), paired by seed, baselines from disk: median (min – max), and the seeds where "
-        "lumen recovered no later than fixed_checkpoint\n"
-    )
-    print("| shape | variant | seeds | lumen − fixed | stop_restart − fixed | lumen ≤ fixed |")
-    print("|---|---|---:|---|---|---:|")
     cells: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     for r in rows:
         if r["variant"].startswith("base-") or "peer" in r["variant"]:
@@ -291,6 +282,22 @@ def recovery_spread(rows: list[dict[str, Any]]) -> None:
         d = cells.setdefault((r["shape"], r["variant"]), ([], []))
         d[0].append(lum - fix)
         d[1].append(sr - fix)
+    return cells
+
+
+def recovery_spread(rows: list[dict[str, Any]]) -> None:
+    """Recovery time, paired by seed: lumen − fixed_checkpoint beside stop_restart − fixed_checkpoint.
+
+    The two baselines differ only in whether an interrupted request restores its checkpoint, which
+    on short-output loads moves almost no work, so their per-seed difference is the measure's own
+    spread on that shape (on bursty arrivals the recovery instant snaps to the start of a burst)."""
+    print(
+        "\nRecovery time (s), paired by seed, baselines from disk: median (min – max), and the seeds where "
+        "lumen recovered no later than fixed_checkpoint\n"
+    )
+    print("| shape | variant | seeds | lumen − fixed | stop_restart − fixed | lumen ≤ fixed |")
+    print("|---|---|---:|---|---|---:|")
+    cells = recovery_diffs(rows)
     for (shape, variant), (ld, sd) in cells.items():
         print(
             f"| {shape} | {variant} | {len(ld)} | {statistics.median(ld):+.1f} ({min(ld):+.1f} – {max(ld):+.1f}) "
@@ -337,6 +344,34 @@ def plot(args: argparse.Namespace) -> None:
     print(f"wrote {args.png}")
 
 
+def plot_recovery(args: argparse.Namespace) -> None:
+    """Per seed, recovery time minus fixed_checkpoint's (baselines from disk): each lumen variant's
+    points beside stop_restart's, the yardstick of the measure's own spread on the shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = recovery_diffs(load_rows(args.out))
+    shapes = list(dict.fromkeys(sh for sh, _ in cells))
+    variants = list(dict.fromkeys(v for _, v in cells))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.2), sharey=True, squeeze=False)
+    for ax, sh in zip(axes[0], shapes, strict=True):
+        labels = ["stop_restart", *variants]
+        series = [cells[(sh, variants[0])][1], *[cells.get((sh, v), ([], []))[0] for v in variants]]
+        for i, ys in enumerate(series):
+            ax.scatter([i] * len(ys), ys, s=22, alpha=0.7, color="grey" if i == 0 else f"C{i - 1}")
+            if ys:
+                ax.hlines(statistics.median(ys), i - 0.25, i + 0.25, color="k", lw=1.5)
+        ax.axhline(0.0, color="k", lw=0.6, ls="--")
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_title(f"{sh}: recovery − fixed_checkpoint's, per seed (bar: median)", fontsize=9)
+    axes[0][0].set_ylabel("seconds (below 0: recovered sooner)")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+    print(f"wrote {args.png}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(required=True)
@@ -363,6 +398,10 @@ def main() -> int:
     g.add_argument("--reload", default="", help="baselines' reload (default: each variant's own)")
     g.add_argument("--variants", default="", help="comma-separated lumen variants (default: all)")
     g.set_defaults(func=plot)
+    gr = sub.add_parser("plot-recovery", help="per-seed recovery time minus fixed_checkpoint's")
+    gr.add_argument("--out", default="out/levers17")
+    gr.add_argument("--png", default="docs/img/levers17-recovery.png")
+    gr.set_defaults(func=plot_recovery)
     args = p.parse_args()
     args.func(args)
     return 0
