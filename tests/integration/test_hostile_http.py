@@ -21,8 +21,8 @@ import pytest
 from gateway.config import load_config
 from gateway.server.app import Gateway
 
-EOF_WITHIN_S = 30.0  # a hang bound, not a timing assertion: the deadlines below are 1-1.5 s
-SHORT = {"limits.header_timeout_s": 1.5, "limits.body_timeout_s": 1.0, "limits.max_request_bytes": 4096}
+EOF_WITHIN_S = 30.0  # a hang bound, not a timing assertion: the deadlines below are 0.5-0.75 s
+SHORT = {"limits.header_timeout_s": 0.75, "limits.body_timeout_s": 0.5, "limits.max_request_bytes": 4096}
 
 
 @contextlib.asynccontextmanager
@@ -52,7 +52,7 @@ async def gateway_url() -> AsyncIterator[str]:
 
 @pytest.fixture
 async def short_gateway() -> AsyncIterator[Gateway]:
-    """A gateway whose head and body deadlines are 1.5 s and 1 s, and whose body limit is 4 KiB."""
+    """A gateway whose head and body deadlines are 0.75 s and 0.5 s, and whose body limit is 4 KiB."""
     async with running_gateway(**SHORT) as gw:
         yield gw
 
@@ -187,7 +187,7 @@ async def test_a_chunk_of_2_64_bytes_that_never_arrives_gets_408_and_a_close(sho
     payload = CHUNKED_HEAD + b"ffffffffffffffff\r\n" + b'{"prompt": "x", "max_tokens'
     status, headers, body = parse_response(await exchange(short_gateway.http_port, payload))
     assert status == 408 and headers["connection"] == "close"
-    assert "did not arrive within 1 s" in assert_openai_error(body, "request_timeout")["message"]
+    assert "did not arrive within 0.5 s" in assert_openai_error(body, "request_timeout")["message"]
 
 
 async def test_a_chunk_of_2_64_bytes_that_keeps_coming_gets_413_and_a_close(short_gateway: Gateway) -> None:
