@@ -17,7 +17,7 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.draftpairs import DraftError, validate_pairs
 from gateway.core.holders import HolderParams
 from gateway.core.modes import MODES, DispatchRule
-from gateway.core.outage import OutageParams
+from gateway.core.outage import OUTAGE_KEYS, outage_params
 from gateway.core.pairing import PairingParams
 from gateway.core.speculation import check_gate_bounds
 from gateway.core.types import LoadParams, ParamError
@@ -278,18 +278,8 @@ def _policies(cfg: Config) -> None:
     _core("recovery", lambda: HolderParams(placement=r.placement))
     _core(
         "recovery",
-        lambda: OutageParams(
-            r.resumed_first,
-            r.outage_batch_boost,
-            r.outage_shortest_first,
-            r.outage_shortest_first_rate,
-            r.outage_boost_min_gain,
-        ),
-        {
-            "batch_boost": "recovery.outage_batch_boost",
-            "shortest_first_rate": "recovery.outage_shortest_first_rate",
-            "boost_min_gain": "recovery.outage_boost_min_gain",
-        },
+        lambda: outage_params(r),
+        OUTAGE_KEYS,
     )
     _core(
         "recovery",

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.core.costmodel import CostModel
 from gateway.core.speculation import DEFAULT_CHUNK, AssistGate, request_time
@@ -64,6 +65,40 @@ class OutageParams:
         check(g >= 0 and math.isfinite(g), "boost_min_gain", g, "must be a finite number >= 0")
         r = self.shortest_first_rate
         check(r >= 0 and math.isfinite(r), "shortest_first_rate", r, "must be a finite number >= 0")
+
+
+class OutageSection(Protocol):
+    """The outage levers' keys of a [recovery] section (the gateway's config and a scenario's alike)."""
+
+    @property
+    def resumed_first(self) -> bool: ...
+    @property
+    def outage_batch_boost(self) -> float: ...
+    @property
+    def outage_shortest_first(self) -> bool: ...
+    @property
+    def outage_shortest_first_rate(self) -> float: ...
+    @property
+    def outage_boost_min_gain(self) -> float: ...
+
+
+# OutageParams' fields by the key a [recovery] section gives them (for errors that name the key)
+OUTAGE_KEYS = {
+    "batch_boost": "recovery.outage_batch_boost",
+    "shortest_first_rate": "recovery.outage_shortest_first_rate",
+    "boost_min_gain": "recovery.outage_boost_min_gain",
+}
+
+
+def outage_params(r: OutageSection) -> OutageParams:
+    """The outage levers a [recovery] section sets (raises `ParamError` naming the field)."""
+    return OutageParams(
+        r.resumed_first,
+        r.outage_batch_boost,
+        r.outage_shortest_first,
+        r.outage_shortest_first_rate,
+        r.outage_boost_min_gain,
+    )
 
 
 @dataclass(frozen=True, slots=True)

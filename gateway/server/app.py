@@ -18,7 +18,7 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.outage import BoostGate, OutageParams, admission_limit
+from gateway.core.outage import BoostGate, admission_limit, outage_params
 from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
 from gateway.core.reload import DraftFirst
 from gateway.core.router import routing_params
@@ -131,13 +131,7 @@ class Gateway:
         self.levers = OutageLevers(
             monitor=self.monitor,
             control=self.control,
-            params=OutageParams(
-                r.resumed_first,
-                r.outage_batch_boost,
-                r.outage_shortest_first,
-                r.outage_shortest_first_rate,
-                r.outage_boost_min_gain,
-            ),
+            params=outage_params(r),
             shaping=self.policy.outage_admission,
             clock=time.monotonic,
             heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,

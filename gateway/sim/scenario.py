@@ -22,7 +22,7 @@ from gateway.core.detector import DetectorParams
 from gateway.core.dispatch import DispatchParams, ThetaMode
 from gateway.core.gray import GrayParams
 from gateway.core.holders import HolderParams, ring_key
-from gateway.core.outage import OutageParams
+from gateway.core.outage import OUTAGE_KEYS, OutageParams, outage_params
 from gateway.core.pairing import PairingParams
 from gateway.core.speculation import ASSIST_MIN_GAIN, ASSIST_MIN_WAITING, check_gate_bounds
 from gateway.core.types import LoadParams, ParamError
@@ -294,18 +294,8 @@ def validate(s: Scenario) -> None:
     )
     _core(
         "recovery",
-        lambda: OutageParams(
-            r.resumed_first,
-            r.outage_batch_boost,
-            r.outage_shortest_first,
-            r.outage_shortest_first_rate,
-            r.outage_boost_min_gain,
-        ),
-        {
-            "batch_boost": "recovery.outage_batch_boost",
-            "shortest_first_rate": "recovery.outage_shortest_first_rate",
-            "boost_min_gain": "recovery.outage_boost_min_gain",
-        },
+        lambda: outage_params(r),
+        OUTAGE_KEYS,
     )
     _core("draft", lambda: check_gate_bounds(d.assist_min_gain, d.assist_min_waiting))
     g = s.gray

@@ -31,7 +31,7 @@ from gateway.core.evaluation import checkpoint_coverage, holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams, ring_key
 from gateway.core.modes import RecoveryPolicy
-from gateway.core.outage import BoostGate, OutageParams
+from gateway.core.outage import BoostGate, outage_params
 from gateway.core.pairing import PairingParams
 from gateway.core.types import LoadParams
 from gateway.sim import events as ev
@@ -108,13 +108,7 @@ class Simulation:
             c.page_size,
             lag_per_token(kvb, self.cost.gpu.d2h_bw * self.cost.tp, c.network_bw),
             route_by_checkpoint_load=rec.route_by_checkpoint_load,
-            outage=OutageParams(
-                rec.resumed_first,
-                rec.outage_batch_boost,
-                rec.outage_shortest_first,
-                rec.outage_shortest_first_rate,
-                rec.outage_boost_min_gain,
-            ),
+            outage=outage_params(rec),
             boost_gate=BoostGate(self.cost, c.max_running_requests, kv_capacity, c.chunked_prefill_size),
         )
         self.reloads = Reloads(times, rec.reload, policy, self.coord, self.queue)

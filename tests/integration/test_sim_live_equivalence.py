@@ -23,7 +23,7 @@ import pytest
 from gateway.config import RecoverySection
 from gateway.core.health import WorkerState
 from gateway.core.modes import policy_for
-from gateway.core.outage import OutageParams, admission_limit
+from gateway.core.outage import admission_limit, outage_params
 from gateway.core.pairing import with_batch_limit
 from gateway.protocol import control_pb2 as pb
 from gateway.server.api.errors import NoWorkerAvailable
@@ -165,13 +165,7 @@ class LiveShell:
         # in Lumen's modes started by the dispatcher's resume hook, ticked after every heartbeat and
         # state change; the pairing gate judges the boosted batch (GatewayApp._boosted)
         r = self.sessions.recovery
-        params = OutageParams(
-            r.resumed_first,
-            r.outage_batch_boost,
-            r.outage_shortest_first,
-            r.outage_shortest_first_rate,
-            r.outage_boost_min_gain,
-        )
+        params = outage_params(r)
         assert params == c.outage.params  # the scenario's levers reach both shells alike
         self.base_running = c.outage.base_running
         self.levers = OutageLevers(

@@ -9,7 +9,7 @@ from gateway.core.costmodel import CostModel
 from gateway.core.modes import policy_for
 from gateway.sim import trace as tr
 from gateway.sim.result import RunResult
-from gateway.sim.scenario import parse_scenario
+from gateway.sim.scenario import ScenarioError, parse_scenario
 from gateway.sim.simulation import Simulation
 from gateway.sim.workload import Workload
 
@@ -272,3 +272,12 @@ def test_shortest_prefill_first_orders_a_survivors_queue_only_while_recovering()
     # a baseline as published keeps FIFO
     base = run("fixed_checkpoint", reqs, **{**fail, "recovery": sjf_recovery}).records
     assert base[2].first_token < base[3].first_token  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("outage_batch_boost", 0.5), ("outage_shortest_first_rate", -1.0), ("outage_boost_min_gain", -1.0)],
+)
+def test_a_bad_outage_lever_in_a_scenario_names_its_key(key: str, value: float) -> None:
+    with pytest.raises(ScenarioError, match=rf"recovery\.{key}: must be"):
+        parse_scenario({"workload": {"rate": 1.0}, "recovery": {key: value}})
