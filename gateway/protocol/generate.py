@@ -239,7 +239,11 @@ class ErrorResponse(msgspec.Struct):
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /abort_request` on a Lumen worker: SGLang's body (`protocol.sglang.SGLangAbort`, what the
+    gateway sends every worker): every request whose rid starts with `rid`, or all with `abort_all`."""
+
     rid: str
+    abort_all: bool = False
 
 
 class AdoptRequest(msgspec.Struct, forbid_unknown_fields=True):

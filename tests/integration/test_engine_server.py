@@ -13,8 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.protocol.generate import GenerateChunk, SamplingParams, decode_chunk
+from gateway.protocol.generate import GenerateChunk, SamplingParams, decode_chunk, encode
 from gateway.protocol.launch import EngineSpec, encode_spec
+from gateway.protocol.sglang import SGLangAbort
 from models.synthetic import expected_output
 from worker_hooks.engine.service import Worker, start_worker
 
@@ -231,6 +232,32 @@ async def test_abort_request_matches_by_prefix_and_frees_pages(client: aiohttp.C
         assert w.engine.pool.used_pages == 0 and w.engine.stats().aborted_total == 3
         async with client.post(w.url + "/abort_request", json={"rid": ""}) as r:
             assert r.status == 400
+
+
+async def test_the_gateways_abort_body_is_taken_and_abort_all_drops_everything(
+    client: aiohttp.ClientSession,
+) -> None:
+    """The gateway sends every worker SGLang's abort body (`SGLangAbort`: rid and abort_all): a Lumen
+    worker takes it as it is (it refused it with 400 before, so aborts of moved or abandoned requests
+    never reached Lumen's workers)."""
+    async with start_worker(spec(time_scale=1.0)) as w:
+        streams = [
+            await client.post(w.url + "/generate", json=body(rid, [5] * 100, max_new_tokens=100_000))
+            for rid in ("job-1-a", "job-2-a", "job-3-a")
+        ]
+        await wait_until(lambda: w.engine.stats().running == 3)
+        headers = {"Content-Type": "application/json"}
+        async with client.post(
+            w.url + "/abort_request", data=encode(SGLangAbort(rid="job-1")), headers=headers
+        ) as r:
+            assert r.status == 200 and (await r.json())["aborted"] == ["job-1-a"]
+        async with client.post(
+            w.url + "/abort_request", data=encode(SGLangAbort(rid="", abort_all=True)), headers=headers
+        ) as r:
+            assert r.status == 200 and sorted((await r.json())["aborted"]) == ["job-2-a", "job-3-a"]
+        for resp in streams:
+            await read_sse(resp)
+        assert w.engine.stats().running == 0 and w.engine.pool.used_pages == 0
 
 
 @pytest.mark.parametrize("stream", [True, False])

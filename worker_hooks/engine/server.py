@@ -207,9 +207,9 @@ async def abort_request(request: web.Request) -> web.Response:
         req = _abort_decoder.decode(await request.read())
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return error_response(InvalidRequest(f"invalid /abort_request body: {exc}"))
-    if not req.rid:
-        return error_response(InvalidRequest("rid must be a non-empty prefix"))
-    aborted = engine.abort_prefix(req.rid)
+    if not req.rid and not req.abort_all:
+        return error_response(InvalidRequest("rid must be a non-empty prefix (or abort_all true)"))
+    aborted = engine.abort_prefix("" if req.abort_all else req.rid)
     log.info("abort_request", prefix=req.rid, aborted=len(aborted))
     return json_response({"aborted": aborted})
 
