@@ -138,6 +138,39 @@ def boost_gain(gate: BoostGate, factor: float, prompt_tokens: float, output_toke
     return request_time(model, base, ctx, 0) / request_time(model, boosted, ctx, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class BoostJudged:
+    """One judgement of the outage boost: the factor the lost slots call for, the cost model's gain
+    for the load's shape at that factor (None: not judged), and the factor granted."""
+
+    factor: float
+    gain: float | None
+    granted: float
+
+
+def judge_boost(
+    params: OutageParams,
+    recovering: bool,
+    workers: int,
+    down: int,
+    gate: BoostGate | None = None,
+    shape: tuple[float, float] | None = None,
+) -> BoostJudged:
+    """The serving workers' batch-limit factor: while the cluster recovers from a failure (its outage,
+    then until the backlog it left has drained), what keeps the cluster's batch slots with `down` of
+    its `workers` out (the most at once during this recovery), at most `batch_boost`; else 1. With a
+    `gate` and the load's `shape` (mean prompt and output tokens), 1 too where that factor would not
+    make a worker complete requests `boost_min_gain` times faster (`boost_gain`)."""
+    if not recovering or down <= 0 or params.batch_boost <= 1:
+        return BoostJudged(1.0, None, 1.0)
+    factor = min(params.batch_boost, workers / max(1, workers - down))
+    if gate is None or shape is None:
+        return BoostJudged(factor, None, factor)
+    gain = boost_gain(gate, factor, shape[0], shape[1])
+    pays = params.boost_min_gain <= 0 or gain >= params.boost_min_gain
+    return BoostJudged(factor, gain, factor if pays else 1.0)
+
+
 def outage_boost(
     params: OutageParams,
     recovering: bool,
@@ -146,17 +179,8 @@ def outage_boost(
     gate: BoostGate | None = None,
     shape: tuple[float, float] | None = None,
 ) -> float:
-    """The serving workers' batch-limit factor: while the cluster recovers from a failure (its outage,
-    then until the backlog it left has drained), what keeps the cluster's batch slots with `down` of
-    its `workers` out (the most at once during this recovery), at most `batch_boost`; else 1. With a
-    `gate` and the load's `shape` (mean prompt and output tokens), 1 too where that factor would not
-    make a worker complete requests `boost_min_gain` times faster (`boost_gain`)."""
-    if not recovering or down <= 0 or params.batch_boost <= 1:
-        return 1.0
-    factor = min(params.batch_boost, workers / max(1, workers - down))
-    if gate is None or shape is None or params.boost_min_gain <= 0:
-        return factor
-    return factor if boost_gain(gate, factor, shape[0], shape[1]) >= params.boost_min_gain else 1.0
+    """The factor granted (`judge_boost`)."""
+    return judge_boost(params, recovering, workers, down, gate, shape).granted
 
 
 def admission_limit(base: int, boost: float) -> int:

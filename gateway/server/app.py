@@ -12,17 +12,15 @@ import structlog
 from aiohttp import web
 from grpc import aio
 
-from gateway.config import Config, draft_for, recovery_policy, sglang_worker_id
-from gateway.core.costmodel import MODELS, CostModel
+from gateway.config import Config, recovery_policy, sglang_worker_id
+from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.outage import BoostGate, admission_limit, outage_params
+from gateway.core.outage import admission_limit, outage_params
 from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
-from gateway.core.reload import DraftFirst
 from gateway.core.router import routing_params
-from gateway.core.speculation import AssistGate
 from gateway.core.types import LoadParams
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.secrets import worker_http_bearer
@@ -36,6 +34,7 @@ from gateway.server.checkpoints import CheckpointManager
 from gateway.server.control_secret import publish_token, tls_credentials, with_control_token
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
+from gateway.server.recovery.gates import assist_gate, boost_gate
 from gateway.server.recovery.levers import OutageLevers
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
@@ -120,7 +119,7 @@ class Gateway:
                     load=self.load_params,
                     hysteresis=config.draft.hysteresis,
                     max_drafters_per_target=config.draft.max_drafters_per_target,
-                    gate=self._assist_gate(config),
+                    gate=assist_gate(config, self.cost),
                 ),
                 k_initial=config.draft.k_initial,
                 view=self.checkpoints.view if self.checkpoints is not None else self.monitor.view,
@@ -135,13 +134,7 @@ class Gateway:
             shaping=self.policy.outage_admission,
             clock=time.monotonic,
             heartbeat_interval_s=config.health.heartbeat_interval_ms / 1000,
-            # the boost where it pays for the load's shape (a worker as the engine section sizes it)
-            gate=BoostGate(
-                self.cost,
-                config.engine.max_running_requests,
-                config.engine.kv_capacity_tokens or self.cost.kv_capacity_tokens(),
-                config.engine.chunked_prefill_size,
-            ),
+            gate=boost_gate(config, self.cost),  # the boost where it pays for the load's shape
         )
         self.outage = self.levers.admission
         self.levers.boost_hooks.append(self._boosted)
@@ -171,37 +164,6 @@ class Gateway:
         self.http_port = 0
         self.control_port = 0
         self.started_at = time.monotonic()
-
-    def _assist_gate(self, config: Config) -> AssistGate | None:
-        """Draft assist's cost gate (issue 17): the target's cost model and, when the paired draft
-        model is a cost-model preset, the drafter's (its latency is then charged to every round, and
-        a draft-first restart's timeline, core/reload.py DraftFirst, to the choice to load it)."""
-        d = config.draft
-        if not d.assist_gate:
-            return None
-        name = draft_for(d.pairs, config.model.preset)
-        drafter = CostModel.preset(name, config.model.gpu) if name in MODELS else None
-        delay = window = 0.0
-        if drafter is not None:
-            e = config.engine
-            plan = DraftFirst(
-                e.model_load_s if e.model_load_s >= 0 else self.cost.load_time(),
-                e.draft_load_s if e.draft_load_s >= 0 else drafter.load_time(),
-                drafter.weights_time(),
-            )
-            delay, window = plan.delay_s, plan.window_s
-        return AssistGate(
-            self.cost,
-            drafter,
-            d.agreement,
-            d.k_min,
-            d.k_max,
-            min_gain=d.assist_min_gain,
-            min_waiting=d.assist_min_waiting,
-            nominal_batch=config.engine.max_running_requests,
-            load_delay_s=delay,
-            assist_window_s=window,
-        )
 
     @property
     def http(self) -> aiohttp.ClientSession | None:

@@ -21,8 +21,7 @@ from gateway.core.outage import (
     OutageParams,
     admission_limit,
     backlog_drained,
-    boost_gain,
-    outage_boost,
+    judge_boost,
     queue_rank,
 )
 from gateway.sim.request import SimRequest
@@ -89,14 +88,10 @@ class SimOutage:
             down = sum(1 for w in self.workers if w.state is not WorkerState.HEALTHY)
             self.down_peak = max(self.down_peak, down)
         shape = self.shape.means() if self.gate is not None else None
-        n = len(self.workers)
-        self.boost = outage_boost(self.params, on, n, self.down_peak, self.gate, shape)
-        factor = outage_boost(self.params, on, n, self.down_peak)  # what the lost slots call for
-        if factor > 1.0:
-            gain = None
-            if self.gate is not None and shape is not None:
-                gain = boost_gain(self.gate, factor, shape[0], shape[1])
-            self.judgements.append(BoostJudgement(now, factor, gain, self.boost > 1.0))
+        judged = judge_boost(self.params, on, len(self.workers), self.down_peak, self.gate, shape)
+        self.boost = judged.granted
+        if judged.factor > 1.0:
+            self.judgements.append(BoostJudgement(now, judged.factor, judged.gain, judged.granted > 1.0))
         limit = admission_limit(self.base_running, self.boost)
         for w in self.workers:
             if w.max_running != limit:

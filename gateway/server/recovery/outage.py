@@ -31,7 +31,7 @@ from gateway.core.outage import (
     BoostGate,
     OutageParams,
     backlog_drained,
-    boost_gain,
+    judge_boost,
     outage_boost,
 )
 from gateway.protocol import control_pb2 as pb
@@ -121,17 +121,16 @@ class OutageAdmission:
         """What the boost gate decided for the recovery as it stands, for the operator: the factor
         the cluster's slots call for, the gain the cost model gives it for the load's shape, and
         whether it is granted."""
-        factor = outage_boost(self.params, True, workers, self.down_peak)
-        if self.gate is None or self._judged is None or factor <= 1.0:
+        j = judge_boost(self.params, True, workers, self.down_peak, self.gate, self._judged)
+        if j.gain is None or self._judged is None:
             return
         p, o = self._judged
-        gain = boost_gain(self.gate, factor, p, o)
         log.info(
             "outage boost judged",
-            factor=round(factor, 3),
-            gain=round(gain, 4),
+            factor=round(j.factor, 3),
+            gain=round(j.gain, 4),
             min_gain=self.params.boost_min_gain,
-            granted=self.params.boost_min_gain <= 0 or gain >= self.params.boost_min_gain,
+            granted=j.granted > 1.0,
             prompt_tokens=round(p, 1),
             output_tokens=round(o, 1),
             shape_measured=self.shape.ready,
