@@ -38,3 +38,13 @@ def plane_members(monkeypatch: pytest.MonkeyPatch) -> None:
         return store
 
     monkeypatch.setattr(hicache_backend, "PageStore", page_store)
+
+
+@pytest.fixture(scope="session")
+def real_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Real SGLang servers of the tiny target on CPU, shared by the lane's tests (tests/sglang/real.py)."""
+    from tests.sglang.real import ServerPool
+
+    pool = ServerPool(tmp_path_factory.mktemp("sglang-logs"))
+    yield pool
+    pool.close()

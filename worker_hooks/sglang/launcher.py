@@ -6,7 +6,14 @@ The command is `python -m sglang.launch_server ARGS` plus the flags Lumen needs 
 - `--sampling-backend pytorch`: seeded sampling (`sampling_seed`) needs it (flashinfer's sampler refuses a
   seed), and a replay after a failure continues a seeded stream only with it;
 - `--enable-deterministic-inference`: batch-invariant logits, so a replay on another server in another
-  batch continues greedy and seeded streams token for token.
+  batch continues greedy and seeded streams token for token. Added only where the server can take it
+  (`takes_deterministic_flag`): SGLang 0.5.23 refuses it on CPU and with an attention backend outside
+  its deterministic list (`srt/arg_groups/overrides.py`); there the gateway reads that the server does
+  not promise bit-equal replays from its `/server_info` and says so (docs/sglang.md, "Determinism").
+
+On CPU (`--device cpu` in the launch arguments) the server's environment also gets what an unmodified
+SGLang needs there (`cpu_environment`): `SGLANG_USE_CPU_ENGINE=1` and, first on PYTHONPATH, Lumen's
+empty stand-in for sgl_kernel's CUDA-only `common_ops` (worker_hooks/sglang/cpu_shim).
 
 Seeded reload: a restart may load its weights from a running server of the same model and TP (the
 seed) instead of from storage, with SGLang's `--load-format remote_instance` (`seeded_command`): each TP
@@ -41,7 +48,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -53,10 +60,11 @@ LAUNCHER_ENV = "LUMEN_SGLANG_LAUNCHER"
 SGLANG_MODULE = "sglang.launch_server"
 
 # flags Lumen needs, added when the launch arguments lack them (value None: a switch)
-REQUIRED_FLAGS: tuple[tuple[str, str | None], ...] = (
-    ("--sampling-backend", "pytorch"),
-    ("--enable-deterministic-inference", None),
-)
+REQUIRED_FLAGS: tuple[tuple[str, str | None], ...] = (("--sampling-backend", "pytorch"),)
+DETERMINISTIC = "--enable-deterministic-inference"
+# SGLang 0.5.23's DETERMINISTIC_ATTENTION_BACKEND_CHOICES (srt/arg_groups/choices.py)
+DETERMINISTIC_ATTENTION_BACKENDS = frozenset({"ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton"})
+CPU_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_shim")
 
 # the queue order Lumen asks of a server by each request's priority (gateway/core/outage.py
 # queue_priority): lower values first, no preemption of running requests (srt/arg_groups/fields/
@@ -145,9 +153,37 @@ def server_args(url: str, args: Sequence[str]) -> list[str]:
             raise LaunchError(
                 f"{flag} {given}: Lumen needs {flag} {value} (seeded sampling and exact replays)"
             )
+    if _flag_value(args, DETERMINISTIC) is None and takes_deterministic_flag(args):
+        out.append(DETERMINISTIC)
     if _flag_value(args, PRIORITY_FLAGS[0]) is None and _flag_value(args, "--schedule-policy") is None:
         out += list(PRIORITY_FLAGS)
     return out
+
+
+def device_of(args: Sequence[str]) -> str:
+    """The device the launch arguments ask for (`--device`), "cuda" (SGLang's default) if none."""
+    return _flag_value(args, "--device") or "cuda"
+
+
+def takes_deterministic_flag(args: Sequence[str]) -> bool:
+    """Whether SGLang 0.5.23 starts with `--enable-deterministic-inference` given these arguments: not on
+    CPU (it falls back to fa3 there and fails), not with an attention backend outside its list."""
+    if device_of(args) == "cpu":
+        return False
+    backend = _flag_value(args, "--attention-backend")
+    return not backend or backend in DETERMINISTIC_ATTENTION_BACKENDS
+
+
+def cpu_environment(args: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """What a server's environment needs beyond `env` to run on CPU when `args` say `--device cpu`
+    (else {}): SGLANG_USE_CPU_ENGINE=1 and the common_ops stand-in first on PYTHONPATH."""
+    if device_of(args) != "cpu":
+        return {}
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != CPU_SHIM_DIR]
+    return {
+        "SGLANG_USE_CPU_ENGINE": env.get("SGLANG_USE_CPU_ENGINE", "1"),
+        "PYTHONPATH": os.pathsep.join([CPU_SHIM_DIR, *path]),
+    }
 
 
 MAX_RUNNING = "--max-running-requests"
