@@ -78,10 +78,12 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang server exited ({self.proc.returncode}); see {self.log_path}")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return self
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp,
+            ):
+                if resp.status == 200:
+                    return self
             time.sleep(0.25)
         raise TimeoutError(f"sglang server not healthy in {timeout_s} s; see {self.log_path}")
 

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -116,7 +115,10 @@ async def test_a_server_killed_mid_stream_leaves_every_greedy_stream_exact(two: 
     refs = await asyncio.gather(*(direct(two[i % 2], greedy(p)) for i, p in enumerate(PROMPTS)))
     async with gateway_over(two) as (gw, http):
         seen: list[list[int]] = [[] for _ in PROMPTS]
-        tasks = [asyncio.create_task(stream_generate(http, greedy(p), s)) for p, s in zip(PROMPTS, seen, strict=True)]
+        tasks = [
+            asyncio.create_task(stream_generate(http, greedy(p), s))
+            for p, s in zip(PROMPTS, seen, strict=True)
+        ]
         async with asyncio.timeout(60):
             while not all(len(s) >= 16 for s in seen):
                 await asyncio.sleep(0.01)
@@ -126,5 +128,7 @@ async def test_a_server_killed_mid_stream_leaves_every_greedy_stream_exact(two: 
         for ref, ids in zip(refs, got, strict=True):
             assert ids == ref["output_ids"]
         assert gw.monitor.workers["sg0"].state is WorkerState.FAILED
-        interrupted = [it for s in gw.sessions.recent_interrupted for it in s.interruptions] if gw.sessions else []
+        interrupted = (
+            [it for s in gw.sessions.recent_interrupted for it in s.interruptions] if gw.sessions else []
+        )
         assert interrupted and {it.worker_id for it in interrupted} == {"sg0"}

@@ -68,7 +68,9 @@ def build_tokenizer(out: Path) -> Any:
     return fast
 
 
-def build_model(out: Path, shape: tuple[int, int, int, int, int, int], vocab: int, eos_id: int, seed: int) -> None:
+def build_model(
+    out: Path, shape: tuple[int, int, int, int, int, int], vocab: int, eos_id: int, seed: int
+) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -130,7 +132,9 @@ def build(out: Path, seed: int = 0) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m worker_hooks.sglang.tiny_model", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m worker_hooks.sglang.tiny_model", description=__doc__.split("\n")[0]
+    )
     p.add_argument("out", type=Path)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
