@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -289,3 +295,105 @@ def test_the_agents_held_batch_options() -> None:
     assert args.held_batch is None
     with pytest.raises(SystemExit):
         parse(["--url", URL, "--gateway", "g:1", "--held-batch", "0"])
+
+
+# a server started by the agent's launcher under uvloop (the agent's loop), with a Python after-fork hook
+# registered first: the hook must not run in the child (issue 27: a relaunched real server died with
+# SIGSEGV 2 ms after the fork, Python's after-fork code running in the child of a process whose gRPC
+# threads were busy). uvloop's own subprocess support runs such hooks in the child (PyOS_AfterFork_Child).
+_FORK_HOOK_PROBE = """
+import asyncio, os, sys, uvloop
+from worker_hooks.sglang.launcher import ServerProcess
+marker = sys.argv[1]
+os.register_at_fork(after_in_child=lambda: open(marker, "a").write("after-fork hook ran in the child\\n"))
+async def main():
+    exits = []
+    server = ServerProcess([sys.executable, "-c", "import sys; sys.exit(3)"], on_start=lambda pid: None,
+                           on_exit=exits.append, restart=False)
+    await asyncio.wait_for(server.run(), 60)
+    print("returncode", exits[0].returncode)
+uvloop.run(main())
+"""
+
+
+def test_the_launcher_starts_a_server_without_running_python_in_the_forked_child(tmp_path: Path) -> None:
+    marker = tmp_path / "hook-ran"
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_HOOK_PROBE, str(marker)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "returncode 3" in out.stdout.splitlines()  # the exit was watched, with its return code
+    assert not marker.exists(), marker.read_text()
+
+
+async def test_the_exit_watcher_reports_a_kill_at_once() -> None:
+    from worker_hooks.sglang.launcher import spawn_child
+
+    child = spawn_child([sys.executable, "-c", "import time; time.sleep(60)"], env=None, output=2)
+    try:
+        waiting = asyncio.create_task(child.wait())
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and child.returncode is None
+        os.killpg(child.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(waiting, 5) == -signal.SIGKILL
+        assert await child.wait() == -signal.SIGKILL  # a second wait returns the same at once
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+def test_the_agent_passes_the_gateways_page_size_unless_the_launch_arguments_give_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worker_hooks.sglang.__main__ import configure
+
+    monkeypatch.setenv(LAUNCHER_ENV, "python -m tests.e2e.sglang_launch_shim")
+    monkeypatch.setenv("LUMEN_CONTROL_TOKEN", "a-control-token-for-the-test")
+    base = ["--url", URL, "--gateway", "g:1", "--launch"]
+    cfg, launch = configure(*parse([*base, "--", "--model-path", "m"]))
+    assert launch is not None and launch[launch.index("--page-size") + 1] == "64" and cfg.page_size == 64
+    cfg, launch = configure(*parse([*base, "--page-size", "16", "--", "--model-path", "m"]))
+    assert launch is not None and launch[launch.index("--page-size") + 1] == "16" and cfg.page_size == 16
+    cfg, launch = configure(*parse([*base, "--", "--page-size", "1"]))  # the launch arguments' own
+    assert launch is not None and launch.count("--page-size") == 1 and cfg.page_size == 1
+    cfg, launch = configure(*parse([*base, "--page-size", "0", "--", "--model-path", "m"]))
+    assert launch is not None and "--page-size" not in launch and cfg.page_size == 0  # SGLang's own
+    cfg, launch = configure(*parse(["--url", URL, "--gateway", "g:1"]))  # a server started elsewhere
+    assert launch is None and cfg.page_size == 0
+
+
+def test_a_cpu_server_launched_by_the_agent_gets_sglangs_cpu_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--device cpu` in the launch arguments: SGLANG_USE_CPU_ENGINE and the common_ops stand-in reach
+    the server's environment (not the agent's own), and no --enable-deterministic-inference (refused on
+    CPU); on a GPU server neither is set."""
+    from worker_hooks.sglang.__main__ import GRPC_FORK_ENV, configure, server_environment
+    from worker_hooks.sglang.agent import Sidecar
+    from worker_hooks.sglang.launcher import CPU_SHIM_DIR
+
+    monkeypatch.setenv(LAUNCHER_ENV, "python -m tests.e2e.sglang_launch_shim")
+    monkeypatch.setenv("LUMEN_CONTROL_TOKEN", "a-control-token-for-the-test")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    for device, cpu in (("cpu", True), ("cuda", False)):
+        cfg, launch = configure(
+            *parse(["--url", URL, "--gateway", "g:1", "--launch", "--", "--device", device])
+        )
+        assert launch is not None and ("--enable-deterministic-inference" in launch) is not cpu
+        sidecar = Sidecar(cfg, launch=launch, launch_env=server_environment())
+        try:
+            assert sidecar.server is not None and sidecar.server.env is not None
+            env = sidecar.server.env
+            assert env.get("SGLANG_USE_CPU_ENGINE") == ("1" if cpu else None)
+            path = env["PYTHONPATH"].split(os.pathsep)
+            assert path == ([CPU_SHIM_DIR, "/elsewhere"] if cpu else ["/elsewhere"])
+            assert "LUMEN_PLANE_FILE" in env
+            assert env.get(GRPC_FORK_ENV) == os.environ.get(GRPC_FORK_ENV) or GRPC_FORK_ENV not in env
+        finally:
+            sidecar.planes.close()
+    assert "SGLANG_USE_CPU_ENGINE" not in os.environ

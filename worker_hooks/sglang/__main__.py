@@ -31,31 +31,44 @@ cleanly; started by a supervisor that sets LUMEN_PARENT_PID, it also stops once 
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import logging
 import os
-import signal
-import sys
-from typing import Any
-from urllib.parse import urlsplit
 
-import structlog
-import uvloop
+# gRPC's fork support off in the agent, before anything imports grpc: with it on, gRPC runs fork
+# handlers around every fork of this process, and a fork while its threads run skips them ("Other
+# threads are currently calling into gRPC, skipping fork() handlers"; seen right before a relaunched
+# server died with SIGSEGV). The agent starts its server without forking Python (launcher.spawn_child);
+# this keeps gRPC out of any fork that still happens. The server gets the environment as it was.
+GRPC_FORK_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+GRPC_FORK_SET_HERE = GRPC_FORK_ENV not in os.environ
+os.environ.setdefault(GRPC_FORK_ENV, "false")
 
-from gateway.protocol.secrets import SecretError, resolve_token
-from worker_hooks.sglang.agent import Sidecar
-from worker_hooks.sglang.agent_config import SidecarConfig
-from worker_hooks.sglang.launcher import (
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+from urllib.parse import urlsplit  # noqa: E402
+
+import structlog  # noqa: E402
+import uvloop  # noqa: E402
+
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE  # noqa: E402
+from gateway.protocol.secrets import SecretError, resolve_token  # noqa: E402
+from worker_hooks.sglang.agent import Sidecar  # noqa: E402
+from worker_hooks.sglang.agent_config import SidecarConfig  # noqa: E402
+from worker_hooks.sglang.launcher import (  # noqa: E402
     OUTAGE_HEADROOM,
     WEIGHTS_GROUP_PORT_DELTA,
     LaunchError,
     host_port,
     lumen_storage_config,
+    page_size_of,
     server_command,
     tp_of,
     with_headroom,
+    with_page_size,
 )
 
 PARENT_POLL_S = 0.5
@@ -165,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-running-requests 96 for a normal batch of 64): have the gateway hold it to B running "
         "requests outside a recovery (with --launch: from --max-running-requests and --outage-headroom)",
     )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help="--launch: the server's --page-size when the launch arguments give none: the gateway's "
+        f"engine.page_size (default {DEFAULT_PAGE_SIZE}; 0: SGLang's own). Reported to the gateway",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -192,6 +212,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("arguments after -- are for the server: add --launch")
     if args.no_restart and not args.launch:
         parser.error("--no-restart needs --launch")
+    if args.page_size < 0:
+        parser.error(f"--page-size must be >= 0, not {args.page_size}")
     if args.held_batch is not None and args.held_batch < 1:
         parser.error(f"--held-batch must be >= 1, not {args.held_batch}")
     if args.log_level.upper() not in logging.getLevelNamesMapping():
@@ -239,7 +261,9 @@ async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool, sto
         loop.add_signal_handler(sig, stop.set)
     parent = os.environ.get("LUMEN_PARENT_PID", "")
     watchdog = asyncio.create_task(watch_parent(int(parent), stop)) if parent.isdigit() else None
-    sidecar = Sidecar(cfg, launch=launch, restart=restart, on_event=_print_event)
+    sidecar = Sidecar(
+        cfg, launch=launch, launch_env=server_environment(), restart=restart, on_event=_print_event
+    )
     try:
         try:
             await sidecar.start()
@@ -259,57 +283,71 @@ async def serve(cfg: SidecarConfig, launch: list[str] | None, restart: bool, sto
             await asyncio.gather(watchdog, return_exceptions=True)
 
 
+def server_environment() -> dict[str, str]:
+    """The environment a launched server starts from: the agent's, without the gRPC setting the agent
+    made for itself (the Sidecar adds the CPU environment and the plane file)."""
+    env = dict(os.environ)
+    if GRPC_FORK_SET_HERE:
+        env.pop(GRPC_FORK_ENV, None)
+    return env
+
+
 def _token(gateways: list[str]) -> str:
     port = gateways[0].rpartition(":")[2] if gateways else ""
     return resolve_token(dict(os.environ), int(port) if port.isdigit() else None)
 
 
+def configure(args: argparse.Namespace, tail: list[str]) -> tuple[SidecarConfig, list[str] | None]:
+    """The agent's config and, with --launch, the server's command; raises LaunchError, ValueError or
+    SecretError when the arguments cannot be run."""
+    port = urlsplit(args.url).port
+    launch: list[str] | None = None
+    tp = args.tp if args.tp is not None else tp_of(tail)
+    held = args.held_batch or 0
+    if args.launch:
+        tail, from_launch = with_headroom(tail, args.outage_headroom)
+        tail = with_page_size(tail, args.page_size)
+        held = held or from_launch
+        launch = server_command(args.url, tail)
+    storage = lumen_storage_config(tail)
+    cfg = SidecarConfig(
+        worker_id=args.id or f"sglang-{port}",
+        url=args.url.rstrip("/"),
+        gateways=tuple(args.gateway),
+        token=_token(args.gateway),
+        tls_ca=os.environ.get("LUMEN_CONTROL_CA", ""),
+        model=args.model if args.model is not None else _launch_model(tail),
+        failure_domain=args.failure_domain,
+        poll_interval_s=args.poll_ms / 1000.0,
+        poll_misses=args.poll_misses,
+        heartbeat_interval_ms=args.heartbeat_ms,
+        tp=tp,
+        seed_wait_s=args.seed_wait_s,
+        seed_timeout_s=args.seed_timeout_s,
+        weights_group_ports=args.weights_group_ports or (),
+        kv_endpoint=args.kv_endpoint
+        if args.kv_endpoint is not None
+        else str(storage.get("holder_endpoint", "")),
+        ckpt_budget_bytes=args.ckpt_budget_bytes
+        if args.ckpt_budget_bytes is not None
+        else int(str(storage.get("holder_budget_bytes", 0))),
+        holder_status_endpoint=args.holder_status_endpoint
+        if args.holder_status_endpoint is not None
+        else str(storage.get("status_endpoint") or ""),
+        holder_shards=args.holder_shards,
+        plane_file=os.environ.get("LUMEN_PLANE_FILE", ""),
+        held_batch=held,
+        page_size=page_size_of(tail),
+    )
+    return cfg, launch
+
+
 def main(argv: list[str] | None = None) -> int:
     args, tail = parse(list(sys.argv[1:] if argv is None else argv))
     configure_logging(args.log_level)
-    port = urlsplit(args.url).port
-    launch: list[str] | None = None
     try:
-        tp = args.tp if args.tp is not None else tp_of(tail)
-        held = args.held_batch or 0
-        if args.launch:
-            tail, from_launch = with_headroom(tail, args.outage_headroom)
-            held = held or from_launch
-            launch = server_command(args.url, tail)
-    except LaunchError as exc:
-        print(f"lumen sglang-agent: {exc}", file=sys.stderr)
-        return 2
-    try:
-        storage = lumen_storage_config(tail)
-        cfg = SidecarConfig(
-            worker_id=args.id or f"sglang-{port}",
-            url=args.url.rstrip("/"),
-            gateways=tuple(args.gateway),
-            token=_token(args.gateway),
-            tls_ca=os.environ.get("LUMEN_CONTROL_CA", ""),
-            model=args.model if args.model is not None else _launch_model(tail),
-            failure_domain=args.failure_domain,
-            poll_interval_s=args.poll_ms / 1000.0,
-            poll_misses=args.poll_misses,
-            heartbeat_interval_ms=args.heartbeat_ms,
-            tp=tp,
-            seed_wait_s=args.seed_wait_s,
-            seed_timeout_s=args.seed_timeout_s,
-            weights_group_ports=args.weights_group_ports or (),
-            kv_endpoint=args.kv_endpoint
-            if args.kv_endpoint is not None
-            else str(storage.get("holder_endpoint", "")),
-            ckpt_budget_bytes=args.ckpt_budget_bytes
-            if args.ckpt_budget_bytes is not None
-            else int(str(storage.get("holder_budget_bytes", 0))),
-            holder_status_endpoint=args.holder_status_endpoint
-            if args.holder_status_endpoint is not None
-            else str(storage.get("status_endpoint") or ""),
-            holder_shards=args.holder_shards,
-            plane_file=os.environ.get("LUMEN_PLANE_FILE", ""),
-            held_batch=held,
-        )
-    except (ValueError, SecretError) as exc:
+        cfg, launch = configure(args, tail)
+    except (LaunchError, ValueError, SecretError) as exc:
         print(f"lumen sglang-agent: {exc}", file=sys.stderr)
         return 2
     return uvloop.run(serve(cfg, launch, restart=not args.no_restart, stop_grace_s=args.stop_grace_s))

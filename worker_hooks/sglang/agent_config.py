@@ -41,6 +41,9 @@ class SidecarConfig:
     # the batch the gateway holds a server launched with room for the outage boost to (Hello.held_batch;
     # launcher.with_headroom); 0: not held
     held_batch: int = 0
+    # the server's --page-size as launched (Hello.page_size); 0: not known (a server started elsewhere
+    # without one in the launch arguments)
+    page_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -51,6 +54,8 @@ class SidecarConfig:
             raise ValueError("poll_interval_s must be > 0 and poll_misses >= 1")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, not {self.tp}")
+        if self.page_size < 0:
+            raise ValueError(f"page_size must be >= 0, not {self.page_size}")
         if self.holder_shards < 0:
             raise ValueError(f"holder_shards must be >= 0, not {self.holder_shards}")
         if self.seed_wait_s < 0 or self.seed_timeout_s <= 0:

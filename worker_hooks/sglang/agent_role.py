@@ -82,6 +82,7 @@ class SGLangRole:
             kv_endpoint=cfg.kv_endpoint,
             plane_key=s.planes.keys.public,
             ckpt_budget_bytes=cfg.ckpt_budget_bytes,
+            page_size=cfg.page_size,
             # each gateway holds its share: together they keep the server to its batch
             held_batch=max(1, cfg.held_batch // len(cfg.gateways)) if cfg.held_batch else 0,
         )

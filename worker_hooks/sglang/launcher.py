@@ -30,8 +30,15 @@ with another command line (split like a shell would), e.g.
 `LUMEN_SGLANG_LAUNCHER="python -m tests.fixtures.sglang_standin"`; the same flags are added. It is how
 the tests run the agent and `lumen cluster up --engine sglang` without GPUs or sglang.
 
-The child-exit watcher is the asyncio process's `wait()`: it returns the moment the server exits, so the
-agent ends its control streams at once instead of waiting for a failed poll. The server runs in its own
+The server is started without the event loop's process machinery (`spawn_child`): `subprocess.Popen`
+with no `preexec_fn` starts it with vfork/exec and runs no Python code and no fork handler in the child.
+uvloop's subprocess support (the agent runs on uvloop) forks and then runs Python's after-fork hooks in
+the child (`PyOS_AfterFork_Child`: threading's, and gRPC's own where gRPC's fork support is on) while
+the agent's gRPC and ZMQ threads run: seen on a real server, the relaunched child died with SIGSEGV
+2 ms after the fork, right after gRPC's "Other threads are currently calling into gRPC, skipping
+fork() handlers". The child-exit watcher is a pidfd the loop reads (`ChildProcess.wait`; a thread
+waiting on the child where pidfds are missing): it returns the moment the server exits, so the agent
+ends its control streams at once instead of waiting for a failed poll. The server runs in its own
 process group (SGLang's scheduler and detokenizer processes with it), which is killed whole after the
 server exits and when the agent stops; on Linux the server also dies with the agent (PR_SET_PDEATHSIG).
 """
@@ -46,6 +53,7 @@ import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -184,6 +192,23 @@ def cpu_environment(args: Sequence[str], env: Mapping[str, str]) -> dict[str, st
         "SGLANG_USE_CPU_ENGINE": env.get("SGLANG_USE_CPU_ENGINE", "1"),
         "PYTHONPATH": os.pathsep.join([CPU_SHIM_DIR, *path]),
     }
+
+
+PAGE_SIZE = "--page-size"
+
+
+def with_page_size(args: Sequence[str], page_size: int) -> list[str]:
+    """`args` with `--page-size page_size` when they give none (the gateway's engine.page_size: the
+    page size of its checkpoint hints and the plugin's pages); unchanged when they do or page_size is 0."""
+    if page_size <= 0 or _flag_value(args, PAGE_SIZE) is not None:
+        return list(args)
+    return [*args, PAGE_SIZE, str(page_size)]
+
+
+def page_size_of(args: Sequence[str]) -> int:
+    """The page size the launch arguments give (`--page-size`), 0 if none (SGLang's own default)."""
+    given = _flag_value(args, PAGE_SIZE)
+    return _positive_int(PAGE_SIZE, given) if given else 0
 
 
 MAX_RUNNING = "--max-running-requests"
@@ -348,10 +373,10 @@ class ServerProcess:
         self.backoff_start_s = backoff_start_s
         self.backoff_cap_s = backoff_cap_s
         self.stable_after_s = stable_after_s
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: ChildProcess | None = None
         self.starts = 0
         self._started_at = 0.0
-        self._unwatched: asyncio.subprocess.Process | None = None  # started by spawn(), for run()
+        self._unwatched: ChildProcess | None = None  # started by spawn(), for run()
         self.exits: list[ServerExit] = []
 
     @property
@@ -411,22 +436,69 @@ class ServerProcess:
         _kill_group(proc.pid, signal.SIGKILL)
         await proc.wait()
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
+    async def _spawn(self) -> ChildProcess:
         """Start one server process (the only place one is started)."""
         out = self.output if self.output is not None else sys.stderr.fileno()
-        self.proc = await asyncio.create_subprocess_exec(
-            *with_parent_death(self.command),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            env=self.env,
-            start_new_session=True,  # its own process group: the whole server is killed together
-        )
+        self.proc = spawn_child(with_parent_death(self.command), env=self.env, output=out)
         self.starts += 1
         self._started_at = time.monotonic()
         log.info("server started", pid=self.proc.pid, command=shlex.join(self.command), starts=self.starts)
         self.on_start(self.proc.pid)
         return self.proc
+
+
+class ChildProcess:
+    """A child started by `spawn_child`: its pid, its return code once it exited, and `wait()`, which
+    returns the moment it exits (a pidfd the running loop reads; a thread waiting on it without one)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self._exited: asyncio.Future[int] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    async def wait(self) -> int:
+        if self.popen.returncode is not None:
+            return self.popen.returncode
+        if self._exited is None:
+            self._exited = self._watch()
+        return await asyncio.shield(self._exited)
+
+    def _watch(self) -> asyncio.Future[int]:
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # no pidfds (not Linux >= 5.3): a thread waits on the child
+            return asyncio.ensure_future(asyncio.to_thread(self.popen.wait))
+        exited: asyncio.Future[int] = loop.create_future()
+
+        def readable() -> None:  # the child exited: reap it (at once) and say so
+            loop.remove_reader(fd)
+            os.close(fd)
+            if not exited.done():
+                exited.set_result(self.popen.wait())
+
+        loop.add_reader(fd, readable)
+        return exited
+
+
+def spawn_child(command: Sequence[str], *, env: Mapping[str, str] | None, output: int) -> ChildProcess:
+    """Start `command` in its own session (process group), stdin from /dev/null, stdout and stderr to
+    `output`, with `subprocess.Popen` and no `preexec_fn`: CPython starts it with vfork (or fork) and
+    exec in C, running neither Python's after-fork hooks nor, with vfork, any pthread_atfork handler in
+    the child; safe while the agent's threads (gRPC, ZMQ) run. Raises OSError if it cannot start."""
+    popen = subprocess.Popen(
+        list(command),
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=output,
+        env=None if env is None else dict(env),
+        start_new_session=True,  # its own process group: the whole server is killed together
+    )
+    return ChildProcess(popen)
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:
