@@ -111,6 +111,34 @@ class HeartbeatDetector:
         self.probe_sent_s = None
         self.probe_answer = None
 
+    def retune(self, params: DetectorParams) -> None:
+        """Judge by `params` from now on, keeping the window and the pause memory (a polled server's
+        period changes with its answer times: core/polls.py)."""
+        if params == self.params:
+            return
+        if params.phi_suspect != self.params.phi_suspect or params.phi_fail != self.params.phi_fail:
+            self._z_suspect = z_of_phi(params.phi_suspect)
+            self._z_fail = z_of_phi(params.phi_fail)
+        if params.window < len(self._gaps):
+            raise ValueError("retune cannot shrink the window")
+        self.params = params
+        self._stats = None
+
+    def remember_pause(self, gap_s: float, now_s: float) -> None:
+        """Remember a pause of `gap_s` as if seen at `now_s` (decaying from then): a prior, or what
+        another detector of the same process learned."""
+        self._pause = max(self.pause(now_s), gap_s)
+        self._pause_at = now_s
+
+    def inherit(self, other: HeartbeatDetector, now_s: float) -> None:
+        """Start from what `other` (an earlier incarnation of the same server) learned: its window of
+        gaps and its pause memory. Only a detector with no gaps of its own inherits."""
+        if self._gaps:
+            return
+        for gap in list(other._gaps)[-self.params.window :]:
+            self._push(gap)
+        self.remember_pause(other.pause(now_s), now_s)
+
     def forgive(self, stall_s: float) -> None:
         """The gateway itself stalled for `stall_s`: that time is nobody's silence."""
         if stall_s > 0:

@@ -20,7 +20,10 @@ gateway, all reporting the same truth) with `worker_hooks.control.ControlClient`
 A server that stops serving ends every session at once (the gateway fails the incarnation within
 milliseconds, not after missed heartbeats): its exit, seen by the launcher's child-exit watcher when
 the agent launched it; a refused or reset connection on a poll otherwise; or no 200 from `/ready` for
-`poll_interval_s * poll_misses` (a hung or unready server). The sessions then re-attach as new
+longer than the server's answers make normal (a hung or unready server): the gateway's rule for
+polled servers (gateway/core/polls.py: the heartbeat detector in units of the server's poll period,
+`poll_interval_s` plus its median answer time, with floor `poll_misses` periods; at most
+`DetectorParams.max_silence_s`, 3 s, after the last 200). The sessions then re-attach as new
 incarnations in LOADING_FULL and report SERVING once `/ready` is 200 again (after the launcher has
 restarted the server, or whoever runs it did).
 """
@@ -36,6 +39,10 @@ from typing import Any
 
 import structlog
 
+from gateway.core.detectorparams import DetectorParams
+from gateway.core.health import WorkerState
+from gateway.core.heartbeats import HeartbeatDetector
+from gateway.core.polls import PollClock, poll_timeout_s, poll_verdict, prime
 from gateway.protocol.sglang import SGLangLoads
 from worker_hooks.control import ControlClient
 from worker_hooks.sglang.agent_config import SidecarConfig
@@ -194,10 +201,22 @@ class Sidecar:
     async def _poll(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
-        window = cfg.poll_interval_s * cfg.poll_misses
+        # /ready's 200s are the server's heartbeats, judged as the gateway judges polled servers
+        # (gateway/core/polls.py): in units of its poll period, learned from its answer times
+        rule = DetectorParams(interval_s=cfg.poll_interval_s, misses=cfg.poll_misses)
+        clock = PollClock(cfg.poll_interval_s)
+        det = HeartbeatDetector(rule, loop.time())  # replaced when the server comes up
         while True:
             generation = self.generation
+            sent = loop.time()
+            # a poll may wait until the silence it ends would be a failure (not up: the cap)
+            window = (
+                poll_timeout_s(det.thresholds(sent), det.silence(sent), cfg.poll_interval_s)
+                if self.up
+                else rule.max_silence_s
+            )
             probe = await self.http.ready(window)
+            answered = loop.time()
             answers = probe in (Probe.READY, Probe.UNREADY)  # a loading server may know its capacity
             loads = await self.http.loads(window) if answers else None
             if generation == self.generation:  # the server was not lost meanwhile
@@ -206,7 +225,13 @@ class Sidecar:
                     self.loads = loads
                 if probe is Probe.READY:
                     self.last_ready = now
-                    if not self.up:
+                    clock.answered(answered - sent)
+                    if self.up:
+                        det.retune(clock.params(rule))
+                        det.beat(answered)
+                    else:  # what the previous one learned, and patience at first (polls.prime)
+                        det, earlier = HeartbeatDetector(clock.params(rule), answered), det
+                        prime(det, answered, earlier)
                         self.up = True
                         self.emit("server_ready")
                         if self.server_pid is not None and not self.reloader.attempt.ready:
@@ -214,8 +239,8 @@ class Sidecar:
                         log.info("server ready", worker_id=cfg.worker_id, url=cfg.url)
                 elif probe is Probe.REFUSED:
                     self.server_lost("connection refused")
-                elif self.up and now - self.last_ready >= window:
-                    self.server_lost(f"/ready {probe.value} for {1000 * (now - self.last_ready):.0f} ms")
+                elif self.up and (verdict := poll_verdict(det, now)).state is WorkerState.FAILED:
+                    self.server_lost(f"/ready {probe.value}: {verdict.why}")
             await asyncio.sleep(cfg.poll_interval_s)
 
     async def _poll_holders(self) -> None:

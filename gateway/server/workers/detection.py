@@ -69,18 +69,24 @@ class SilenceDetection:
         silences: dict[str, Silence] = {}
         for rec, det in judged:
             peers = det.params.interval_s + excess
+            # kept on the record: a poller bounds its poll by them, /admin/workers shows them
+            rec.thresholds = det.thresholds(now, peers)
             silences[rec.id] = Silence(
-                rec.state, det.silence(now), det.thresholds(now, peers), det.probe(now), self._probeable(rec)
+                rec.state, det.silence(now), rec.thresholds, det.probe(now), self._probeable(rec)
             )
         verdicts = fd.silence_verdicts(silences, self.correlated_grace_s)
         return [(rec, det, verdicts[rec.id]) for rec, det in judged]
 
     def detector_of(self, rec: WorkerRecord) -> HeartbeatDetector:
-        """`rec`'s detector, for its own heartbeat interval (a polled SGLang server's is its poll's)."""
+        """`rec`'s detector, for its own heartbeat interval (a polled SGLang server's is its poll
+        period, which its poller learns: core/polls.py); a changed interval retunes it, keeping what
+        it learned."""
         det = rec.detector
         interval = rec.heartbeat_interval_s or self.params.interval_s
-        if det is None or det.params.interval_s != interval:
+        if det is None:
             det = rec.detector = HeartbeatDetector(self.params.for_interval(interval), rec.last_heartbeat)
+        elif det.params.interval_s != interval:
+            det.retune(self.params.for_interval(interval))
         return det
 
     def _probeable(self, rec: WorkerRecord) -> bool:

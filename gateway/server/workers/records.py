@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.core.detector import HeartbeatDetector
+from gateway.core.detector import HeartbeatDetector, Thresholds
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import WorkerView
 from gateway.protocol import control_pb2 as pb
@@ -136,6 +136,8 @@ class WorkerRecord:
     # failure detection by silence (core/detector.py): this worker's heartbeat history and the probe
     # of its current silence; `probe_gen` tells a probe's answer from an answer to an older one
     detector: HeartbeatDetector | None = None
+    # its silence thresholds at the detector's last tick (None before one)
+    thresholds: Thresholds | None = None
     probe_gen: int = 0
     # time per output token the gateway measures on this incarnation's streams (EWMA), and when
     # it was last updated; DEGRADED since when (gray failures, core/gray.py)

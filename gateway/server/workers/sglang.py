@@ -6,9 +6,16 @@ For each configured server (`[[sglang.workers]]` or `lumen gateway --sglang-url 
   attaches it to the load monitor as an `engine = "sglang"` worker, a new incarnation each time;
 - polls `GET /ready` and `GET /v1/loads?include=core` every `sglang.poll_interval_ms`; each answer is
   that worker's heartbeat (running, waiting, KV tokens used, summed over DP ranks), so failure
-  detection by silence works as for Lumen's workers, in units of the poll interval;
-- fails the incarnation at once when a poll's connection is refused or reset, and after
-  `health.heartbeat_misses` polls when the server hangs or keeps answering 503 on /ready (its
+  detection by silence works as for Lumen's workers, in units of the server's poll period: the poll
+  interval plus its normal answer time, learned from its answers (core/polls.py `PollClock`; the
+  record's `heartbeat_interval_s`, which retunes its detector);
+- lets each poll wait for its answer until the silence it ends would fail the server anyway
+  (core/polls.py `poll_timeout_s`, from the thresholds of the detector's last tick): a slow answer is
+  a late heartbeat, never a miss (idle real servers on a busy machine took 190–270 ms to answer, and
+  SUSPECT flapped while polls were cut at `heartbeat_misses` × interval);
+- fails the incarnation at once when a poll's connection is refused or reset; a hung server is
+  FAILED by the detector's verdict on its silence (at most `health.max_silence_ms` after its last
+  answer), and one that keeps answering 503 on /ready after `health.heartbeat_misses` such answers (its
   running requests resume elsewhere; it re-attaches as a new incarnation once /ready is 200 again).
 
 A watcher never dies of one bad poll: each poll runs in a task of its own under one deadline (an HTTP
@@ -32,6 +39,7 @@ import msgspec
 import structlog
 
 from gateway.core.health import ALIVE_STATES
+from gateway.core.polls import PollClock, poll_timeout_s, prime
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.sglang import SGLangLoads
@@ -69,6 +77,8 @@ class SGLangPoller:
         self.misses = misses
         self._tasks: list[asyncio.Task[None]] = []
         self._incarnation: dict[str, int] = {}
+        # what each server's answers taught (its answer times, so its poll period), across incarnations
+        self.clocks: dict[str, PollClock] = {t.worker_id: PollClock(poll_interval_s) for t in targets}
         self._stopping = False
         # called after each poll that served as a heartbeat (the app's recovery bookkeeping)
         self.heartbeat_hooks: list[Callable[[WorkerRecord], None]] = []
@@ -97,7 +107,7 @@ class SGLangPoller:
             task.cancel()
         if self._tasks:
             # bounded: a poll inside the HTTP client ends by its own deadline at the latest
-            _, late = await asyncio.wait(self._tasks, timeout=2 * self.interval_s * self.misses + 1.0)
+            _, late = await asyncio.wait(self._tasks, timeout=2 * self.attach_timeout_s + 1.0)
             for task in late:
                 log.warning("sglang_watcher_slow_to_stop", task=task.get_name())
         self._tasks.clear()
@@ -117,8 +127,10 @@ class SGLangPoller:
             ):
                 rec = await self._attach_when_ready(t)
                 unready = 0
+            clock = self.clocks[t.worker_id]
+            sent = self.monitor.clock()
             try:
-                loads = await self._poll(t)
+                loads = await self._poll(t, self._timeout(rec, sent))
             except _Unready:
                 unready += 1
                 if unready >= self.misses:
@@ -132,6 +144,9 @@ class SGLangPoller:
                 log.warning("sglang_poll_error", worker=t.worker_id, error=repr(exc))
             else:
                 unready = 0
+                clock.answered(self.monitor.clock() - sent)
+                # its detector judges in units of its poll period from now on (retuned, not reset)
+                rec.heartbeat_interval_s = clock.period_s()
                 self.monitor.heartbeat(rec, _heartbeat(loads))
                 for hook in self.heartbeat_hooks:
                     hook(rec)
@@ -166,34 +181,53 @@ class SGLangPoller:
                 max_running_requests=sum(r.max_running_requests for r in loads.loads) if first else 0,
                 held_batch=t.held_batch,
             )
+            earlier = self.monitor.workers.get(t.worker_id)
             try:
                 rec = self.monitor.attach(hello)
             except AttachRefused as exc:
                 log.warning("sglang_attach_refused", worker=t.worker_id, reason=str(exc))
                 await asyncio.sleep(self.interval_s)
                 continue
-            rec.heartbeat_interval_s = self.interval_s
+            rec.heartbeat_interval_s = self.clocks[t.worker_id].period_s()
+            if rec.detector is not None:  # what its earlier incarnation taught, and patience at first
+                prime(rec.detector, self.monitor.clock(), earlier.detector if earlier is not None else None)
             self.monitor.heartbeat(rec, _heartbeat(loads))
             log.info("sglang_attached", worker=t.worker_id, url=t.url, incarnation=incarnation)
             return rec
 
-    async def _poll(self, t: SGLangTarget) -> SGLangLoads:
-        """/ready, then /v1/loads, within `misses` poll intervals; raises _Unready on a non-200 from
-        /ready. The requests run in a task of their own (`wait_for`), so nothing the HTTP client does
+    @property
+    def attach_timeout_s(self) -> float:
+        """How long a poll of a server not attached may wait: the detector's cap (a server whose answers
+        take longer than `misses` intervals must still attach)."""
+        return self.monitor.detector_params.max_silence_s
+
+    def _timeout(self, rec: WorkerRecord, now: float) -> float:
+        """How long the poll sent now may wait: until the server's silence reaches its fail threshold
+        at the detector's last tick (before any tick: the attach phase's)."""
+        det = rec.detector
+        if det is None:
+            return self.attach_timeout_s
+        th = rec.thresholds or det.thresholds(now)
+        return poll_timeout_s(th, det.silence(now), self.interval_s)
+
+    async def _poll(self, t: SGLangTarget, timeout_s: float | None = None) -> SGLangLoads:
+        """/ready, then /v1/loads, within `timeout_s` (default the attach phase's); raises _Unready on
+        a non-200 from /ready. The requests run in a task of their own (`wait_for`), so nothing the HTTP client does
         to its task's cancellation state reaches the watcher; a cancellation of that inner task that
         nobody asked for (not a stop of the watcher) counts as a failed poll."""
         try:
-            return await asyncio.wait_for(self._fetch(t), self.interval_s * self.misses)
+            timeout = self.attach_timeout_s if timeout_s is None else timeout_s
+            return await asyncio.wait_for(self._fetch(t, timeout), timeout)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the watcher itself is being stopped
             raise TimeoutError("poll cancelled inside the HTTP client") from None
 
-    async def _fetch(self, t: SGLangTarget) -> SGLangLoads:
+    async def _fetch(self, t: SGLangTarget, timeout_s: float) -> SGLangLoads:
         # the HTTP client's own deadline too: a cancellation lost inside it cannot keep a poll
         # (and stop()) waiting on a server that never answers
-        timeout = aiohttp.ClientTimeout(total=self.interval_s * self.misses)
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self.http.get(t.url + "/ready", timeout=timeout) as ready:
             if ready.status != 200:
                 raise _Unready()
