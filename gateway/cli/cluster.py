@@ -64,15 +64,17 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
 
 SGLANG_MISSING = (
     "lumen: sglang is not installed. `lumen cluster up --engine sglang` runs SGLang servers "
-    "(sglang 0.5.23), which need CUDA GPUs: pip install 'lumen[sglang]' (see docs/sglang.md)."
+    "(sglang 0.5.23) on CUDA GPUs, or on CPU with `-- --device cpu`: pip install 'lumen[sglang]' "
+    "(see docs/sglang.md)."
 )
 
 
 def _sglang_launch(args: argparse.Namespace) -> Any:
-    """What to launch for `--engine sglang`, or SystemExit(2) with the reason (sglang missing, no GPUs)."""
+    """What to launch for `--engine sglang`, or SystemExit(2) with the reason (sglang missing, no GPUs).
+    With `--device cpu` in the launch arguments the servers run on CPU: no GPU is needed or grouped."""
     import importlib.util
 
-    from gateway.cluster.sglang import SGLangLaunch, gpu_groups, visible_gpus
+    from gateway.cluster.sglang import SGLangLaunch, gpu_groups, launch_device, visible_gpus
 
     if not args.model:
         raise usage("--engine sglang needs --model PATH (a HuggingFace folder or hub id)")
@@ -82,10 +84,11 @@ def _sglang_launch(args: argparse.Namespace) -> Any:
         print(SGLANG_MISSING, file=sys.stderr)
         raise SystemExit(2)
     tp = 1 if args.tp is None else args.tp
-    gpus = visible_gpus(os.environ) or None
-    if gpus is None and not stand_in:
-        print("lumen: --engine sglang needs CUDA GPUs, and none is visible (nvidia-smi, CUDA_VISIBLE_DEVICES)",
-              file=sys.stderr)  # fmt: skip
+    cpu = launch_device(args.tail) == "cpu"
+    gpus = None if cpu else visible_gpus(os.environ) or None
+    if gpus is None and not stand_in and not cpu:
+        print("lumen: --engine sglang needs CUDA GPUs, and none is visible (nvidia-smi, CUDA_VISIBLE_DEVICES); "
+              "on CPU give the servers `-- --device cpu`", file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
     if gpus is not None:
         try:

@@ -91,6 +91,7 @@ async def run_fleet(
                 restart=config.cluster.restart_killed,
                 log_level=config.gateway.log_level,
                 stop_grace_s=config.timeouts.shutdown_grace_s,
+                page_size=config.engine.page_size,
             )
             cluster, n = (
                 SGLangCluster(

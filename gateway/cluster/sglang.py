@@ -1,7 +1,8 @@
 """`lumen cluster up --engine sglang`: one SGLang server per GPU group, each with its sidecar agent.
 
 Each worker is one agent process, `python -m worker_hooks.sglang --launch -- <launch_server args>`,
-which starts its SGLang server on a port chosen here, attaches it to the gateway's control plane, and
+which starts its SGLang server on a port chosen here (on GPUs, or on CPU when the arguments say
+`--device cpu`), attaches it to the gateway's control plane, and
 restarts it when it dies (docs/design.md; worker_hooks/sglang). The supervisor here only starts the
 agents (a GPU group each, through CUDA_VISIBLE_DEVICES), restarts an agent that dies, stops them all,
 and injects faults into the servers for `/admin/workers/{id}/kill`: the agents print each server's
@@ -29,6 +30,7 @@ import structlog
 
 from gateway.cluster.procs import stop_processes
 from gateway.protocol.faults import FAULT_SIGNALS, SERVER_SIGNAL_MODES
+from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import GATEWAY_SECRETS_ENV
 from gateway.server.api.errors import InvalidRequest, NotFound
 
@@ -48,7 +50,27 @@ class SGLangLaunch:
     tp: int = 1
     workers: int | None = None  # None: as many as the GPUs allow (or cluster.workers without GPUs)
     extra: tuple[str, ...] = ()  # more `launch_server` arguments (after `--`)
-    gpus: tuple[str, ...] | None = None  # GPU ids to group by `tp`; None: none known (a stand-in launcher)
+    gpus: tuple[str, ...] | None = None  # GPU ids to group by `tp`; None: none (CPU, or a stand-in launcher)
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the launch arguments say `--device cpu` (SGLang's CPU engine: no GPU groups)."""
+        return launch_device(self.extra) == "cpu"
+
+
+def launch_device(args: Sequence[str]) -> str:
+    """The `--device` of launch_server arguments (`--device D` or `--device=D`), "" if none."""
+    for i, a in enumerate(args):
+        if a == "--device" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    return ""
+
+
+# SGLang 0.5.23's HiCache host pool registers its memory with CUDA (srt/mem_cache/pool_host/common.py
+# `_cuda_host_register`), so a CPU server launched with a HiCache storage backend dies at start-up
+CPU_NO_HICACHE = "HiCache's host pool needs CUDA in SGLang 0.5.23 (pool_host/common.py _cuda_host_register)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,11 +180,18 @@ def agent_specs(
     host: str = "127.0.0.1",
     log_level: str = "info",
     stop_grace_s: float = 5.0,
+    page_size: int = DEFAULT_PAGE_SIZE,
 ) -> list[AgentSpec]:
-    """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: a stand-in
-    launcher) `launch.workers` or `default_workers` agents, devices left alone. Every agent attaches
-    to `control_address` and each of `more_control_addresses` (one per gateway). With `checkpoints`
-    every server runs Lumen's HiCache storage backend under its worker id (`hicache_args`)."""
+    """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: `--device cpu`
+    or a stand-in launcher) `launch.workers` or `default_workers` agents, devices left alone. Every
+    agent attaches to `control_address` and each of `more_control_addresses` (one per gateway) and
+    launches its server at `page_size` (the gateway's engine.page_size) unless the launch arguments
+    give one. With `checkpoints` every server runs Lumen's HiCache storage backend under its worker id
+    (`hicache_args`), except on CPU, where SGLang's HiCache cannot start (`CPU_NO_HICACHE`): there the
+    servers run without it, and the log says so."""
+    if checkpoints is not None and launch.on_cpu:
+        log.warning("sglang_checkpoints_off_on_cpu", reason=CPU_NO_HICACHE, failover="replay")
+        checkpoints = None
     if launch.gpus is None:
         groups: list[tuple[str, ...] | None] = [None] * (launch.workers or default_workers)
     else:
@@ -175,7 +204,7 @@ def agent_specs(
             *("--url", url, "--gateway", control_address, "--id", wid, "--model", launch.model),
             *(a for more in more_control_addresses for a in ("--gateway", more)),
             *("--failure-domain", f"d{i % max(1, failure_domains)}", "--log-level", log_level),
-            *("--stop-grace-s", f"{stop_grace_s:g}", "--launch"),
+            *("--stop-grace-s", f"{stop_grace_s:g}", "--page-size", str(page_size), "--launch"),
             *(() if restart else ("--no-restart",)),
             "--",
             *("--model-path", launch.model, "--tp-size", str(launch.tp)),

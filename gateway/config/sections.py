@@ -9,6 +9,7 @@ too: validate.py checks a section by building the core parameters from it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -27,6 +28,27 @@ from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import DEFAULT_MAX_RUNNING_REQUESTS, Backend, Eviction
 
 GiB = 1024**3
+
+# a holder's host memory for other servers' pages: SGLang's HiCache backend and the torch backend hold
+# real pages, so the default must fit the machine it runs on
+HOLDER_BUDGET_CAP = 64 * GiB
+HOLDER_BUDGET_RAM_FRACTION = 0.25
+
+
+def machine_holder_budget(physical_bytes: int | None = None) -> int:
+    """The default `checkpoint.budget_bytes`: min(64 GiB, a quarter of the machine's physical memory);
+    64 GiB where the memory cannot be read."""
+    if physical_bytes is None:
+        try:
+            physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return HOLDER_BUDGET_CAP
+    if physical_bytes <= 0:
+        return HOLDER_BUDGET_CAP
+    return min(HOLDER_BUDGET_CAP, int(physical_bytes * HOLDER_BUDGET_RAM_FRACTION))
+
+
+DEFAULT_HOLDER_BUDGET = machine_holder_budget()
 
 _LOAD = LoadParams()
 _DISPATCH = DispatchParams()
@@ -197,7 +219,7 @@ class LoadSection:
 @dataclass(frozen=True, slots=True)
 class CheckpointSection:
     enabled: bool = True
-    budget_bytes: int = 64 * GiB  # per holder, host DRAM
+    budget_bytes: int = DEFAULT_HOLDER_BUDGET  # per holder, host DRAM: min(64 GiB, RAM / 4)
     replicas: int = _HOLDERS.replicas
     eviction: Eviction = Eviction.SHORTEST_PREFIX_FIRST
     exclude_failure_domain: bool = _HOLDERS.exclude_failure_domain

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cluster.fleet_run import sglang_checkpoints
-from gateway.cluster.sglang import Checkpoints, SGLangLaunch, agent_specs, gpu_groups
+from gateway.cluster.sglang import AgentSpec, Checkpoints, SGLangLaunch, agent_specs, gpu_groups
 from gateway.config import load_config
 from worker_hooks.sglang.__main__ import parse
 from worker_hooks.sglang.agent_config import SidecarConfig
@@ -131,6 +134,11 @@ def test_each_agent_launches_one_server_on_its_own_gpus() -> None:
     assert len({s.url for s in bare}) == 3
 
 
+def server_tail(spec: AgentSpec) -> list[str]:
+    """The launch_server arguments an agent is given (after its `--`)."""
+    return list(spec.argv[spec.argv.index("--") + 1 :])
+
+
 def test_in_a_mode_with_checkpoints_each_server_runs_lumens_storage_backend_under_its_own_id() -> None:
     ckpt = Checkpoints(budget_bytes=8 << 30, page_size=64)
     specs = agent_specs(SGLangLaunch(model="m", workers=3), "h:1", checkpoints=ckpt, default_workers=7)
@@ -152,14 +160,14 @@ def test_in_a_mode_with_checkpoints_each_server_runs_lumens_storage_backend_unde
     [spec] = agent_specs(
         SGLangLaunch(model="m", workers=1, extra=own), "h:1", checkpoints=ckpt, default_workers=1
     )
-    assert "--enable-hierarchical-cache" not in spec.argv and spec.argv.count("--page-size") == 1
+    assert "--enable-hierarchical-cache" not in spec.argv and server_tail(spec).count("--page-size") == 1
     [spec] = agent_specs(
         SGLangLaunch(model="m", workers=1, extra=("--page-size", "32")),
         "h:1",
         checkpoints=ckpt,
         default_workers=1,
     )
-    assert spec.argv.count("--page-size") == 1 and "--hicache-storage-backend" in spec.argv
+    assert server_tail(spec).count("--page-size") == 1 and "--hicache-storage-backend" in spec.argv
 
 
 @pytest.mark.parametrize(("mode", "enabled", "want"), [("lumen", True, True), ("fixed_checkpoint", True, True),
@@ -397,3 +405,93 @@ def test_a_cpu_server_launched_by_the_agent_gets_sglangs_cpu_environment(
         finally:
             sidecar.planes.close()
     assert "SGLANG_USE_CPU_ENGINE" not in os.environ
+
+
+# -- `lumen cluster up --engine sglang` on CPU ---------------------------------------------------------
+
+
+def test_cluster_up_on_cpu_runs_without_gpus_and_groups_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-- --device cpu`: no GPU needed (none visible, or some visible and left alone), as many servers
+    as asked; without it and without GPUs, exit 2 saying how to run on CPU."""
+    from gateway.cli import cluster as cli
+
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else None)
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)  # no nvidia-smi
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def ns(*tail: str) -> argparse.Namespace:
+        return argparse.Namespace(model="/m", tp=None, workers=2, tail=list(tail))
+
+    launch = cli._sglang_launch(ns("--device", "cpu", "--dtype", "float32"))
+    assert launch.gpus is None and launch.workers == 2 and launch.on_cpu
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU visible: CPU servers do not need two
+    assert cli._sglang_launch(ns("--device=cpu")).gpus is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(SystemExit) as exc:
+        cli._sglang_launch(ns())
+    assert exc.value.code == 2
+
+
+def test_on_cpu_the_servers_run_without_hicache_and_the_log_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SGLang 0.5.23's HiCache host pool registers its memory with CUDA, so a CPU server with the
+    storage backend's flags dies at start-up: on CPU they are not added (failover is replay)."""
+    ckpt = Checkpoints(budget_bytes=8 << 30, page_size=64)
+    launch = SGLangLaunch(model="m", workers=2, extra=("--device", "cpu"))
+    specs = agent_specs(launch, "h:1", checkpoints=ckpt, default_workers=7, page_size=16)
+    for spec in specs:
+        tail = server_tail(spec)
+        assert tail == ["--model-path", "m", "--tp-size", "1", "--device", "cpu"]
+        assert not any(a.startswith("--hicache") or a == "--enable-hierarchical-cache" for a in spec.argv)
+        agent = list(spec.argv[: spec.argv.index("--")])
+        assert agent[agent.index("--page-size") + 1] == "16"  # the agent passes it to its server
+    out = capsys.readouterr()
+    assert "sglang_checkpoints_off_on_cpu" in out.out + out.err
+
+
+def test_the_default_holder_budget_is_sized_from_the_machine() -> None:
+    from gateway.config.sections import GiB, machine_holder_budget
+
+    assert machine_holder_budget(24 * GiB) == 6 * GiB
+    assert machine_holder_budget(1024 * GiB) == 64 * GiB
+    assert machine_holder_budget(0) == 64 * GiB  # not known
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    budget = load_config().checkpoint.budget_bytes
+    assert budget == min(64 * GiB, physical // 4) or budget == machine_holder_budget(physical)
+    assert budget <= physical // 4
+
+
+@pytest.mark.parametrize(("poll_s", "misses"), [(0.1, 5), (0.2, 25)])
+async def test_the_agent_sees_its_server_ready_whatever_poll_window_it_is_given(
+    poll_s: float, misses: int
+) -> None:
+    """`--poll-ms 200 --poll-misses 25` (a 5 s window, past the detector's default 3 s cap on silence):
+    the poll task built a rule that refused itself, died unobserved, and the agent never saw its
+    server ready (seen against real servers)."""
+    from worker_hooks.sglang.agent import Sidecar
+    from worker_hooks.sglang.agent_config import SidecarConfig
+    from worker_hooks.sglang.server_http import Probe
+
+    cfg = SidecarConfig(
+        worker_id="sg0", url=URL, gateways=("g:1",), poll_interval_s=poll_s, poll_misses=misses
+    )
+    sidecar = Sidecar(cfg)
+
+    async def ready(timeout_s: float) -> Probe:
+        return Probe.READY
+
+    async def loads(timeout_s: float) -> None:
+        return None
+
+    sidecar.http.ready = ready  # type: ignore[method-assign]
+    sidecar.http.loads = loads  # type: ignore[method-assign]
+    poll = asyncio.create_task(sidecar._poll())
+    try:
+        await sidecar.wait_event(lambda ev: ev["event"] == "server_ready", 5)
+        assert sidecar.up and not poll.done()
+    finally:
+        poll.cancel()
+        await asyncio.gather(poll, return_exceptions=True)
+        sidecar.planes.close()

@@ -203,7 +203,14 @@ class Sidecar:
         cfg = self.cfg
         # /ready's 200s are the server's heartbeats, judged as the gateway judges polled servers
         # (gateway/core/polls.py): in units of its poll period, learned from its answer times
-        rule = DetectorParams(interval_s=cfg.poll_interval_s, misses=cfg.poll_misses)
+        # (the floor, poll_misses periods, may pass the default cap on silence: the cap follows it, or
+        # the rule refuses to build and the poll task dies: no server would ever be seen ready)
+        floor_s = cfg.poll_interval_s * cfg.poll_misses
+        rule = DetectorParams(
+            interval_s=cfg.poll_interval_s,
+            misses=cfg.poll_misses,
+            max_silence_s=max(DetectorParams().max_silence_s, floor_s),
+        )
         clock = PollClock(cfg.poll_interval_s)
         det = HeartbeatDetector(rule, loop.time())  # replaced when the server comes up
         while True:
