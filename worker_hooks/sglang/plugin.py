@@ -23,6 +23,14 @@ TP rank 0, as `storage_layout.shard_layout`). Anything else (hybrid SWA/Mamba po
 with scales, HND, context parallelism) turns the plugin off for that server, once, with a log line:
 requests then run uncheckpointed, as without the plugin. The hook never raises into SGLang; after
 `MAX_HOOK_ERRORS` errors the plugin turns itself off.
+
+Quiet where Lumen did not launch the server: installed in SGLang's environment, the plugin loads in every
+server of it, but only a server given a plane file (`LUMEN_PLANE_FILE`, which Lumen's sidecar agent sets
+for a server it launches) can send a page, so a server without one turns the plugin off on its first
+decode step with one log line (`lumen_plugin_off`, reason `not launched by Lumen`) per scheduler rank.
+Every failure the plugin logs is one line (the error and where it was raised), never a traceback:
+structlog renders an exception with rich's traceback and its locals, which in SGLang's scheduler ran to
+1,402 lines for one missing file.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import traceback
 from typing import Any, Final
 
 import structlog
 
+from gateway.protocol.plane_file import PLANE_FILE_ENV
 from worker_hooks.sglang.plugin_checkpointer import Checkpointer
 from worker_hooks.sglang.plugin_logic import options_from_env
 from worker_hooks.sglang.plugin_reader import Unsupported, reader_for_pool
@@ -48,6 +58,14 @@ DECODE_RESULT_HOOK: Final = (
 )
 HOOKS: Final = ((DECODE_RESULT_HOOK, "AFTER"),)
 MAX_HOOK_ERRORS: Final = 3  # then the plugin turns itself off
+NOT_LAUNCHED: Final = f"not launched by Lumen ({PLANE_FILE_ENV} is not set): no checkpoints"
+
+
+def failure(exc: BaseException) -> str:
+    """One line for a log: the error and the innermost place it was raised (file:line in function)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return f"{exc!r}"[:300] + where
 
 
 def register() -> None:
@@ -117,14 +135,19 @@ class _State:
             return self.plugin
         with self.lock:
             if self.plugin is None and self.off is None:
+                if not os.environ.get(PLANE_FILE_ENV):
+                    # a server Lumen did not launch: nothing to send pages as, nothing to say but this
+                    self.off = NOT_LAUNCHED
+                    log.info("lumen_plugin_off", reason=self.off)
+                    return None
                 try:
                     self.plugin = build(processor)
                 except Unsupported as exc:
                     self.off = str(exc)
                     log.warning("lumen_plugin_off", reason=self.off)
-                except Exception as exc:  # a runtime context or pool this plugin does not know
-                    self.off = f"start failed: {exc!r}"[:300]
-                    log.exception("lumen_plugin_off", reason=self.off)
+                except Exception as exc:  # a runtime context, pool or plane file this plugin cannot use
+                    self.off = f"start failed: {failure(exc)}"
+                    log.warning("lumen_plugin_off", reason=self.off)
         return self.plugin
 
 
@@ -140,9 +163,9 @@ def after_decode_result(ret: Any, processor: Any, batch: Any, *args: Any, **kwar
         plugin = _state.get(processor)
         if plugin is not None:
             plugin.after_decode(batch)
-    except Exception:
+    except Exception as exc:
         _state.errors += 1
-        log.exception("lumen_plugin_hook_failed", errors=_state.errors)
+        log.warning("lumen_plugin_hook_failed", errors=_state.errors, error=failure(exc))
         if _state.errors >= MAX_HOOK_ERRORS:
             _state.off = "too many errors"
             log.error("lumen_plugin_off", reason=_state.off)
