@@ -34,7 +34,16 @@ from gateway.core.detectorparams import DetectorParams
 from gateway.core.health import WorkerState
 from gateway.core.heartbeats import HeartbeatDetector, Thresholds
 
-__all__ = ["ANSWER_WINDOW", "PollClock", "poll_timeout_s", "poll_verdict", "prime"]
+# the detector's names a shell of polls needs (the SGLang agent imports them from here only)
+__all__ = [
+    "ANSWER_WINDOW",
+    "DetectorParams",
+    "HeartbeatDetector",
+    "PollClock",
+    "poll_timeout_s",
+    "poll_verdict",
+    "prime",
+]
 
 # answer times the normal one is the median of (about 6 s of polls at 50 ms on a quiet host)
 ANSWER_WINDOW = 64

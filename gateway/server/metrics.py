@@ -139,6 +139,28 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.worker_refusals = Counter(
+            "lumen_worker_refusals",
+            "Error statuses workers answered a request with: client_error (the request's own fault, "
+            "answered to the client as a 4xx) or retried (the worker's own: another worker)",
+            ["status", "outcome"],
+            registry=r,
+        )
+        self.draft_refusals = Counter(
+            "lumen_gateway_draft_refusals",
+            "Verification calls an SGLang target refused for their drafts (the stream went on plainly "
+            "and the drafter was dropped for that target)",
+            ["target"],
+            registry=r,
+        )
+        self.nonexact_resumes = Counter(
+            "lumen_nonexact_resumes",
+            "Resumes moving a request off or onto a server that does not promise bit-equal logits "
+            "(docs/sglang.md, Determinism): still exactly the tokens the client has, no duplicate and "
+            "no gap, but the continuation may differ from an uninterrupted run",
+            ["side"],
+            registry=r,
+        )
         self.workers = Gauge("lumen_workers", "Workers by state", ["state"], registry=r)
 
     def render(self) -> bytes:

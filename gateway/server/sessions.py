@@ -161,10 +161,14 @@ class SessionManager:
                         return
                 raise WorkerLost("stream ended without a finish reason")
             except WorkerRefused as exc:
-                if not exc.retryable:
+                if exc.request_fault:  # the request's own fault: the client's 4xx, never a 502
+                    self.metrics.worker_refusals.labels(status=str(exc.status), outcome="client_error").inc()
+                    log.info("worker_refused_request", rid=s.job.rid, worker=worker.id, status=exc.status)
                     raise UpstreamRejected(
-                        f"worker {worker.id} rejected the request: {exc.body[:200]}"
+                        f"worker {worker.id} refused the request: {exc.message}",
+                        status=413 if exc.status == 413 else 400,
                     ) from exc
+                self.metrics.worker_refusals.labels(status=str(exc.status), outcome="retried").inc()
                 lost_reason = str(exc)
                 if exc.stale_incarnation:
                     # the worker runs a newer incarnation than the one we addressed (it restarted and
@@ -174,7 +178,8 @@ class SessionManager:
                         worker.id, worker.incarnation, "answered 409 stale_epoch"
                     )
                     s.refused += 1
-                else:  # still loading (503) or in trouble (5xx): another worker, not a failure of it
+                else:  # still loading (503), in trouble (5xx) or refusing on its own account (e.g. 403,
+                    # 404, 429): another worker, not a failure of it
                     excluded.add(worker.id)
             except WorkerLost as exc:
                 lost_reason = exc.reason
@@ -329,6 +334,8 @@ class SessionManager:
                     self.metrics.gateway_drafts.labels(target=worker.id, outcome="accepted").inc(
                         stream.accepted
                     )
+                    if stream.refused is not None:
+                        self.metrics.draft_refusals.labels(target=worker.id).inc()
                 if s.finish_reason is None:
                     # given up here (client gone, stop string, moved elsewhere): a dropped connection does
                     # not end it on the worker (orphan grace; some SGLang deployments), its rid does

@@ -75,6 +75,7 @@ ALLOWED_ON_WORKERS = (
     "gateway.core.draftpairs",
     "gateway.core.outage",  # the queue order and batch limit the engine shares with the simulator (issue 17)
     "gateway.core.reload",  # a draft-first restart's timeline (DraftFirst), the simulator's too
+    "gateway.core.polls",  # the SGLang agent judges its server's polls by the gateway's rule (issue 27)
 )
 
 

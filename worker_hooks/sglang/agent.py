@@ -39,10 +39,15 @@ from typing import Any
 
 import structlog
 
-from gateway.core.detectorparams import DetectorParams
 from gateway.core.health import WorkerState
-from gateway.core.heartbeats import HeartbeatDetector
-from gateway.core.polls import PollClock, poll_timeout_s, poll_verdict, prime
+from gateway.core.polls import (
+    DetectorParams,
+    HeartbeatDetector,
+    PollClock,
+    poll_timeout_s,
+    poll_verdict,
+    prime,
+)
 from gateway.protocol.sglang import SGLangLoads
 from worker_hooks.control import ControlClient
 from worker_hooks.sglang.agent_config import SidecarConfig

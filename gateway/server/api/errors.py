@@ -97,9 +97,11 @@ class UpstreamFailed(GatewayError):
     code = "worker_failed"
 
 
-class UpstreamRejected(GatewayError):
-    """A worker refused the request with a 4xx that is not the gateway's fault to retry."""
+class UpstreamRejected(InvalidRequest):
+    """A worker refused the request's content (400, 413 or 422: `WorkerRefused.request_fault`, e.g. a
+    prompt past the server's context length): the client's 4xx, with the worker's message (status 413
+    for 413, else 400). A refusal that is the worker's own (401, 403, 404, 408, 429, ...) is retried on
+    another worker instead, and a verification call refused for its drafts decodes plainly (sessions.py,
+    recovery/assisted.py); neither reaches the client."""
 
-    status = 502
-    type = "upstream_error"
     code = "worker_rejected"

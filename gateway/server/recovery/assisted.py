@@ -11,7 +11,11 @@ acceptance (`gateway.core.speculation`). Sampled requests are never assisted thi
 
 `AssistedStream` has WorkerStream's interface, so a session's failover loop treats an assisted
 attempt like any other: a broken target connection or a stall is `WorkerLost`. A silent drafter only
-costs time: a round without drafts is a plain one-token step.
+costs time: a round without drafts is a plain one-token step. A target that refuses a verification
+call with a 4xx while it carries drafts (a drafter of another vocabulary: ids the target cannot take)
+refuses the drafts, not the request: that round is made again without drafts, the stream goes on
+plainly, and the verifier drops that drafter for that target (`refused`); the client never sees it.
+A refusal of a call without drafts is the request's own (`WorkerRefused`, as for a plain stream).
 """
 
 from __future__ import annotations
@@ -152,6 +156,8 @@ class AssistedStream:
         self._inflight: asyncio.Task[SGLangVerifyResponse] | None = None
         self.drafted = 0
         self.accepted = 0
+        # the target refused a verification call for its drafts (a 4xx): plain decoding from then on
+        self.refused: WorkerRefused | None = None
 
     def interrupt(self, reason: str) -> None:
         if self._interrupted is None:
@@ -172,9 +178,13 @@ class AssistedStream:
             return None
         if self._interrupted is not None:
             raise WorkerLost(self._interrupted)
-        k = min(
-            choose_k(self.estimator.rate, self._k_min, self._k_max, VERIFY_COST_PER_DRAFT),
-            self._remaining - 1,
+        k = (
+            0
+            if self.refused is not None
+            else min(
+                choose_k(self.estimator.rate, self._k_min, self._k_max, VERIFY_COST_PER_DRAFT),
+                self._remaining - 1,
+            )
         )
         drafts: list[int] = []
         if k > 0:
@@ -188,7 +198,18 @@ class AssistedStream:
             )
             drafts, resync = await self._plane.drafts(item)
             self._synced = 0 if resync else len(self._context)
-        resp = await self._verify(drafts)
+        try:
+            resp = await self._verify(drafts)
+        except WorkerRefused as exc:
+            if not drafts or not 400 <= exc.status < 500 or exc.status in (408, 409, 429):
+                raise  # the target's trouble or load (a retry elsewhere), the session's to handle
+            # the drafts made the target refuse the call: the drafter's fault, never the client's
+            self.refused = exc
+            log.warning(
+                "drafts_refused_by_target", rid=self._body.rid, status=exc.status, error=exc.message[:200]
+            )
+            drafts = []
+            resp = await self._verify(drafts)
         try:
             tokens, n_ok = verified_tokens(drafts, resp)
         except ValueError as exc:
@@ -274,13 +295,15 @@ class GatewayVerifier:
         self._ctx: zmq.asyncio.Context | None = None
         self._planes: dict[tuple[str, str], DraftPlane] = {}  # (endpoint, drafter key) -> plane
         self._estimates: dict[tuple[str, str], AcceptanceEstimator] = {}
+        # (drafter, target) pairs whose drafts the target refused (a 4xx): never assisted again
+        self._refused: set[tuple[str, str]] = set()
         self.drafted: dict[str, int] = {}  # per target: drafts verified
         self.accepted: dict[str, int] = {}
 
     def for_target(self, target: str) -> tuple[str, DraftPlane, AcceptanceEstimator] | None:
         """(drafter id, its plane, the pair's estimate) while `target` has a drafter, else None."""
         found = self._drafter_of(target)
-        if found is None:
+        if found is None or (found.drafter_id, target) in self._refused:
             return None
         drafter, endpoint, server_key = found.drafter_id, found.endpoint, found.server_key
         if not endpoint or not is_key(server_key):
@@ -297,6 +320,8 @@ class GatewayVerifier:
 
     def record(self, drafter: str, target: str, stream: AssistedStream) -> None:
         self._estimates[(drafter, target)] = stream.estimator
+        if stream.refused is not None:  # its drafts are not the target's tokens: not paired again
+            self._refused.add((drafter, target))
         self.drafted[target] = self.drafted.get(target, 0) + stream.drafted
         self.accepted[target] = self.accepted.get(target, 0) + stream.accepted
 

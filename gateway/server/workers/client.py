@@ -59,6 +59,19 @@ class WorkerLost(Exception):
         self.incarnation_reset = incarnation_reset
 
 
+# statuses by which a worker says the request itself is malformed or too large (SGLang: 400 for a
+# failed validation, e.g. a prompt past the context length; 422 from its schema): the same body would
+# be refused by any worker of the model, so the client's request is at fault
+REQUEST_FAULT_STATUSES = frozenset({400, 413, 422})
+
+
+def _status(code: int | str | None) -> int | None:
+    """An error chunk's code as an HTTP status, if it is one."""
+    if isinstance(code, int):
+        return code
+    return int(code) if isinstance(code, str) and code.isdigit() else None
+
+
 class WorkerRefused(Exception):
     """The worker answered with an error status."""
 
@@ -73,9 +86,32 @@ class WorkerRefused(Exception):
         return self.status == 409 and "stale_epoch" in self.body
 
     @property
+    def request_fault(self) -> bool:
+        """The worker refused the request's content (400, 413, 422): the client's 4xx, not a retry."""
+        return self.status in REQUEST_FAULT_STATUSES
+
+    @property
     def retryable(self) -> bool:
-        # 409: stale incarnation (our view lags); 503: still loading; 5xx: worker trouble
-        return self.status == 409 or self.status >= 500
+        """Another worker may serve it: 409 (stale incarnation: our view lags), 5xx (loading, trouble),
+        and every 4xx that is the worker's own (401/403: its credentials, 404/405: a route it lacks,
+        408/429: busy): never a bare 502 for a refusal another worker would not make."""
+        return not self.request_fault
+
+    @property
+    def message(self) -> str:
+        """The worker's own message: an OpenAI-style `{"error": {"message"}}`, SGLang's `{"message"}`
+        or `{"error": "..."}` (its contract errors), else the body's first 300 characters."""
+        try:
+            doc = msgspec.json.decode(self.body)
+        except msgspec.DecodeError:
+            return self.body[:300]
+        if isinstance(doc, dict):
+            err = doc.get("error", doc)
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return str(err["message"])[:300]
+            if isinstance(err, str):
+                return err[:300]
+        return self.body[:300]
 
 
 class _Watchdog:
@@ -291,6 +327,13 @@ class WorkerStream:
                 except StreamError as exc:
                     if got:
                         break
+                    status = _status(exc.code)
+                    if status in REQUEST_FAULT_STATUSES and self._chunks == 0:
+                        # refused before any output, for the request's content (SGLang streams its
+                        # validation errors, a prompt past the context length, as this chunk): the
+                        # client's 4xx, as when the worker answers the status itself
+                        body = msgspec.json.encode({"error": {"message": exc.message}}).decode()
+                        raise WorkerRefused(status, body) from exc
                     raise WorkerLost(str(exc), worker_error=True) from exc
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     if got:
