@@ -53,8 +53,11 @@ def cmd_cluster_kill(args: argparse.Namespace) -> int:
 
 def cmd_cluster_status(args: argparse.Namespace) -> int:
     for w in _admin(args.port, "GET", "/admin/workers"):
+        det = w.get("determinism") or {}
         print(
             f"{w['id']:>4} {w['state']:<11} inc={w['incarnation']} running={w['running']} "
-            f"waiting={w['waiting']} load={w['load']}"
+            f"waiting={w['waiting']} load={w['load']} replay={det.get('label', '?')}"
         )
+        if det and det.get("label") != "exact":  # what a resume on it may not keep, said plainly
+            print(f"     {det.get('note', '')}")
     return 0

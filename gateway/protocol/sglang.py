@@ -137,14 +137,21 @@ class SGLangLoads(msgspec.Struct, kw_only=True):
 
 
 class SGLangServerInfo(msgspec.Struct, kw_only=True):
-    """The queue-order part of `GET /server_info`: SGLang 0.5.23 answers the resolved server arguments
-    by field name (`srt/server_args.py ServerArgs.resolved_dict`, fields in `srt/arg_groups/fields/
-    schedule.py`); more fields ignored."""
+    """The parts of `GET /server_info` Lumen reads: SGLang 0.5.23 answers the resolved server arguments
+    by field name (`srt/server_args.py ServerArgs.resolved_dict`, fields in `srt/arg_groups/fields/`);
+    more fields ignored. The queue order (schedule.py) and the numerics a replay's exactness depends on
+    (`gateway.core.determinism`): dtype, device, the attention and sampling backends, deterministic
+    inference (a real CPU server answers float32, cpu, torch_native, pytorch, false)."""
 
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     disable_priority_preemption: bool = False
     schedule_policy: str = "fcfs"
+    dtype: str | None = None
+    device: str | None = None
+    attention_backend: str | None = None
+    sampling_backend: str | None = None
+    enable_deterministic_inference: bool = False
 
 
 def orders_by_priority(info: SGLangServerInfo) -> bool:

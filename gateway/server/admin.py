@@ -93,6 +93,22 @@ class AdminAPI:
                     "batch_limit": held.limit(w) if w.held_batch else w.batch_limit or w.max_running_requests,
                     "held_waiting": held.waiting(w.id),  # requests waiting at the gateway for a slot
                     "priority_order": w.priority_order,  # an SGLang server ordering its queue by priority
+                    # does it promise bit-equal replays, does it honour seeds (core/determinism.py)
+                    "determinism": {
+                        "label": w.determinism.label,
+                        "bit_equal": w.determinism.bit_equal,
+                        "seeded": w.determinism.seeded,
+                        "note": w.determinism.note,
+                    },
+                    # failure detection by silence: its heartbeat period (a polled server's: poll
+                    # interval + median answer time) and the silences it is suspected and failed at
+                    "detection": None
+                    if w.thresholds is None
+                    else {
+                        "period_ms": round(1000 * (w.heartbeat_interval_s or self.gw.monitor.interval_s), 1),
+                        "suspect_after_ms": round(1000 * w.thresholds.suspect_s),
+                        "fail_after_ms": round(1000 * w.thresholds.fail_s),
+                    },
                     "inflight": w.inflight,
                     "kv_tokens_used": w.kv_tokens_used,
                     "kv_capacity_tokens": w.kv_capacity_tokens,

@@ -294,7 +294,13 @@ class Gateway:
         app = web.Application(
             middlewares=[error_middleware], client_max_size=self.config.limits.max_request_bytes
         )
-        add_client_routes(app, config=self.config, tokenizer=self.tokenizer, generator=self.sessions)
+        add_client_routes(
+            app,
+            config=self.config,
+            tokenizer=self.tokenizer,
+            generator=self.sessions,
+            replay_note=self.sessions.replay_note,
+        )
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         AdminAPI(self).add_routes(app)

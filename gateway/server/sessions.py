@@ -30,6 +30,7 @@ import structlog
 
 from gateway.config import RecoverySection
 from gateway.core.costmodel import CostModel
+from gateway.core.determinism import UNKNOWN, nonexact_sides, seed_ignored_by
 from gateway.core.dispatch import DispatchParams
 from gateway.core.health import ALIVE_STATES
 from gateway.core.loadshape import LoadShape
@@ -112,6 +113,18 @@ class SessionManager:
         # as a priority, and the batch the gateway holds a server to
         self.levers: OutageLevers | None = None
 
+    def replay_note(self, sampled: bool) -> str | None:
+        """What a sampled request's response says of its replay (the `Lumen-Replay` header), or None:
+        not reproducible where a live server it may be served or resumed on ignores `sampling_seed`
+        (SGLang without --enable-deterministic-inference, core/determinism.py). Greedy requests: None."""
+        if not sampled:
+            return None
+        live = [(w.id, w.determinism) for w in self.monitor.workers.values() if w.state in ALIVE_STATES]
+        ignoring = seed_ignored_by(live)
+        if not ignoring:
+            return None
+        return f'not-reproducible; reason="sampling_seed ignored by {", ".join(ignoring)}"'
+
     async def generate(self, job: GenerateJob) -> AsyncIterator[TokenDelta]:
         if len(self.live) >= self.max_concurrent:
             raise Overloaded(f"the gateway is at its limit of {self.max_concurrent} concurrent requests")
@@ -152,6 +165,8 @@ class SessionManager:
                 yield TokenDelta((), finish_reason=done)  # type: ignore[arg-type]
                 return
             worker = await self._pick(s, excluded)
+            if s.emitted and s.worker_id is not None:
+                self._note_resume(s, s.worker_id, worker)
             s.attempts += 1
             s.worker_id, s.incarnation = worker.id, worker.incarnation
             try:
@@ -201,6 +216,27 @@ class SessionManager:
             tried = s.attempts - s.refused
             if tried >= rec_cfg.max_attempts or s.attempts >= STALE_REFUSALS_FACTOR * rec_cfg.max_attempts:
                 raise UpstreamFailed(f"gave up after {tried} worker attempts; last: {lost_reason}")
+
+    def _note_resume(self, s: Session, off_id: str, onto: WorkerRecord) -> None:
+        """Count (and log) a resume off or onto a server that does not promise bit-equal logits
+        (core/determinism.py): coherent, never a duplicate or a gap, but maybe not the uninterrupted
+        run's continuation."""
+        off = self.monitor.workers.get(off_id)
+        sides = nonexact_sides(off.determinism if off is not None else UNKNOWN, onto.determinism)
+        if not sides:
+            return
+        for side in sides:
+            self.metrics.nonexact_resumes.labels(side=side).inc()
+        log.info(
+            "nonexact_resume",
+            rid=s.job.rid,
+            off=off_id,
+            onto=onto.id,
+            sides=list(sides),
+            emitted=len(s.emitted),
+            off_determinism=off.determinism.note if off is not None else UNKNOWN.note,
+            onto_determinism=onto.determinism.note,
+        )
 
     async def _pick(self, s: Session, excluded: set[str]) -> WorkerRecord:
         """The worker for the next attempt: the router for the first, recovery dispatch afterwards."""

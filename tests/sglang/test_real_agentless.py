@@ -111,7 +111,13 @@ async def test_generate_and_openai_forms_answer_as_sglang_does(two: list[SGLangS
         assert len(texts) == 2 and texts[0] == texts[1] and out["usage"]["completion_tokens"] == 32
 
 
-async def test_a_server_killed_mid_stream_leaves_every_greedy_stream_exact(two: list[SGLangServer]) -> None:
+@pytest.mark.parametrize("form", ["cumulative", "incremental"])
+async def test_a_server_killed_mid_stream_leaves_every_greedy_stream_exact(
+    real_servers: ServerPool, form: str
+) -> None:
+    """Both of SGLang's streaming forms: cumulative `output_ids` in every chunk (its default) and
+    `--incremental-streaming-output`; the gateway resumes either."""
+    two = real_servers.live(2, *(["--incremental-streaming-output"] if form == "incremental" else []))
     refs = await asyncio.gather(*(direct(two[i % 2], greedy(p)) for i, p in enumerate(PROMPTS)))
     async with gateway_over(two) as (gw, http):
         seen: list[list[int]] = [[] for _ in PROMPTS]

@@ -9,6 +9,8 @@ client the output is incomplete. Once the headers are out, a stream silent for `
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 import structlog
 from aiohttp import web
@@ -24,8 +26,12 @@ from gateway.server.api.resume import StreamIds
 log = structlog.get_logger("lumen.api")
 
 
-def json_response(obj: object) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+# a sampled request's response where its replay is not reproducible (docs/sglang.md, Determinism)
+REPLAY_HEADER = "Lumen-Replay"
+
+
+def json_response(obj: object, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), content_type="application/json", headers=headers)
 
 
 async def respond(
@@ -35,6 +41,7 @@ async def respond(
     stream: bool,
     keepalive_s: float,
     positions: StreamIds | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> web.StreamResponse:
     """The whole response, or its SSE stream: each step's events in one write, the last with the
     stream's position as its `id` (resume.py); replayed steps of a resumed stream are not written."""
@@ -44,10 +51,12 @@ async def respond(
             parts: list[list[str]] = [[] for _ in gens]
             while (got := await choices.next()) is not None:
                 parts[got[0]].append(got[1].text)
-            return json_response(fmt.response(["".join(p) for p in parts], gens))
+            return json_response(fmt.response(["".join(p) for p in parts], gens), headers)
         first = await choices.next()  # raises before any output: the middleware answers with a status
         # from here on, silence longer than limits.sse_keepalive_s gets a comment line (keepalive.py)
         resp = SseResponse(keepalive_s)
+        if headers:
+            resp.headers.update(headers)
         await resp.prepare(request)
         try:
             got = first

@@ -20,6 +20,7 @@ import importlib.metadata
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -55,7 +56,7 @@ from gateway.server.api.formats import NativeFormat, OpenAIFormat
 from gateway.server.api.generation import Choices, Generation
 from gateway.server.api.jobs import GenerateJob, Generator, Sampling
 from gateway.server.api.openapi import ClientRoute, document
-from gateway.server.api.respond import json_response, respond
+from gateway.server.api.respond import REPLAY_HEADER, json_response, respond
 from gateway.server.api.resume import LAST_EVENT_ID, ResumePoint, StreamIds, draw_seed, resume_point
 from gateway.server.api.schemas import bounds_of, check_prompt_length
 from gateway.server.api.tokenizer import Tokenizer
@@ -79,6 +80,15 @@ class ClientApi:
     # the guarded client routes by (method, canonical path), and /openapi.json once built
     routes: dict[tuple[str, str], ClientRoute] = field(default_factory=dict)
     openapi: dict[str, bytes] = field(default_factory=dict)
+    # what a sampled request's replay is (the `Lumen-Replay` header's value, or None): sessions.py
+    replay_note: Callable[[bool], str | None] | None = None
+
+    def replay_headers(self, s: SamplingRequest) -> dict[str, str]:
+        """`Lumen-Replay: not-reproducible; reason=...` for a sampled request where a live server
+        ignores `sampling_seed` (docs/sglang.md, Determinism); nothing otherwise."""
+        sampled = s.temperature > 0.0 and s.top_k != 1
+        note = self.replay_note(sampled) if self.replay_note is not None else None
+        return {REPLAY_HEADER: note} if note else {}
 
     async def encode(self, prompt: Prompt, *, add_special_tokens: bool, param: str) -> tuple[int, ...]:
         if isinstance(prompt, str):
@@ -167,7 +177,12 @@ CLIENT_API = web.AppKey("lumen_client_api", ClientApi)
 
 
 def add_client_routes(
-    app: web.Application, *, config: Config, tokenizer: Tokenizer, generator: Generator
+    app: web.Application,
+    *,
+    config: Config,
+    tokenizer: Tokenizer,
+    generator: Generator,
+    replay_note: Callable[[bool], str | None] | None = None,
 ) -> None:
     """Register the client API and /openapi.json on `app`. Raises ConfigError if the chat template
     does not load."""
@@ -181,6 +196,7 @@ def add_client_routes(
         eos_ids=eos,
         created=int(time.time()),
         stream_key=stream_key(config.gateway.control_token),
+        replay_note=replay_note,
     )
     guarded = guard(config.gateway.api_keys, limiter_of(config.limits))
     for method, path, handler, body in (
@@ -251,7 +267,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     envelope = CompletionEnvelope(rid, req.model, created, req.include_usage)
     fmt = OpenAIFormat(envelope, api.tokenizer.token_text)
     positions = api.stream_ids(request, body, rid, created, choices, resume) if req.stream else None
-    return await respond(request, choices, fmt, req.stream, api.config.limits.sse_keepalive_s, positions)
+    return await respond(
+        request,
+        choices,
+        fmt,
+        req.stream,
+        api.config.limits.sse_keepalive_s,
+        positions,
+        headers=api.replay_headers(req.sampling),
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -273,7 +297,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     envelope = ChatEnvelope(rid, req.model, created, req.include_usage)
     fmt = OpenAIFormat(envelope, api.tokenizer.token_text)
     positions = api.stream_ids(request, body, rid, created, choices, resume) if req.stream else None
-    return await respond(request, choices, fmt, req.stream, api.config.limits.sse_keepalive_s, positions)
+    return await respond(
+        request,
+        choices,
+        fmt,
+        req.stream,
+        api.config.limits.sse_keepalive_s,
+        positions,
+        headers=api.replay_headers(req.sampling),
+    )
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -290,7 +322,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     choices = api.choices(rid, ids, req.sampling, req.stream, labels, logprobs=req.logprobs, resume=resume)
     fmt = NativeFormat(req.rid or rid, api.tokenizer.token_text if req.return_text_in_logprobs else None)
     positions = api.stream_ids(request, body, rid, 0, choices, resume) if req.stream else None
-    return await respond(request, choices, fmt, req.stream, api.config.limits.sse_keepalive_s, positions)
+    return await respond(
+        request,
+        choices,
+        fmt,
+        req.stream,
+        api.config.limits.sse_keepalive_s,
+        positions,
+        headers=api.replay_headers(req.sampling),
+    )
 
 
 def _model_card(api: ClientApi) -> dict[str, object]:

@@ -23,6 +23,7 @@ import structlog
 
 from gateway.core import health
 from gateway.core.detector import DetectorParams, HeartbeatDetector
+from gateway.core.determinism import UNKNOWN
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import ClusterView
@@ -163,6 +164,10 @@ class LoadMonitor:
             last_heartbeat=now,
             attached_at=now,
         )
+        if rec.engine is EngineKind.SGLANG:
+            # what its /server_info says is read once it serves (server_info.py); until then, what the
+            # previous incarnation's said (the same server, usually relaunched with the same arguments)
+            rec.determinism = old.determinism if old is not None and old.engine is rec.engine else UNKNOWN
         rec.detector = HeartbeatDetector(self.detector_params, now)
         self.expiry.forget(rec.id)
         self.views.track(rec)

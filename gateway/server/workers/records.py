@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.core.detector import HeartbeatDetector, Thresholds
+from gateway.core.determinism import LUMEN_WORKER, Determinism
 from gateway.core.health import Phase, WorkerState
 from gateway.core.types import WorkerView
 from gateway.protocol import control_pb2 as pb
@@ -96,6 +97,9 @@ class WorkerRecord:
     # an SGLang server that orders its queue by each request's priority (its /server_info, read once
     # it serves: gateway/server/workers/server_info.py)
     priority_order: bool = False
+    # whether it promises bit-equal replays and honours seeds (core/determinism.py): Lumen's workers by
+    # construction; an SGLang server as its /server_info says (UNKNOWN until read: server_info.py)
+    determinism: Determinism = LUMEN_WORKER
     # an SGLang server launched with room for the outage boost: the gateway holds it to this batch
     # outside a recovery (Hello.held_batch; 0: not held; gateway/server/workers/held.py)
     held_batch: int = 0

@@ -1,6 +1,10 @@
 """What an SGLang server was launched with, read from its `GET /server_info` once it serves.
 
-Only the queue order is read today (`gateway.protocol.sglang.orders_by_priority`): a server launched
+Two things are read. Its numerics (dtype, device, attention and sampling backends, deterministic
+inference), judged by `gateway.core.determinism.judge_numerics` into the record's `determinism`: does
+it promise bit-equal replays, does it honour `sampling_seed` (/admin/workers, `lumen cluster status`,
+the non-exact resume count, the `Lumen-Replay` header). And the queue order
+(`gateway.protocol.sglang.orders_by_priority`): a server launched
 with `--enable-priority-scheduling --schedule-low-priority-values-first --disable-priority-preemption`
 (and the default FCFS policy) is sent each request's `priority` (`gateway.core.outage.queue_priority`),
 so it keeps the queue order the simulator and Lumen's own workers keep: resumed requests first, FIFO,
@@ -8,7 +12,9 @@ and aged shortest-prefill-first while a recovery lasts. Lumen's SGLang agent add
 servers it launches (worker_hooks/sglang/launcher.py); agentless servers are read the same way.
 
 Each incarnation is asked once, when it turns HEALTHY, in a task of its own under a deadline; a server
-that does not answer, or answers something else, is sent no priority (its own FIFO order).
+that does not answer, or answers something else, is sent no priority (its own FIFO order) and keeps
+the judgement `UNKNOWN` (promises nothing). Servers behind a sidecar agent are read the same way, at
+the URL their agent reports.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import aiohttp
 import msgspec
 import structlog
 
+from gateway.core.determinism import Numerics, judge_numerics
 from gateway.core.health import WorkerState
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.sglang import SGLangServerInfo, orders_by_priority
@@ -65,7 +72,15 @@ class ServerInfoReader:
         if rec is None or rec.incarnation != incarnation:
             return
         rec.priority_order = orders_by_priority(info)
-        log.info("sglang_server_info", worker=worker_id, priority_order=rec.priority_order)
+        rec.determinism = judge_numerics(numerics(info))
+        log.info(
+            "sglang_server_info",
+            worker=worker_id,
+            priority_order=rec.priority_order,
+            bit_equal=rec.determinism.bit_equal,
+            seeded=rec.determinism.seeded,
+            determinism=rec.determinism.note,
+        )
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -73,3 +88,13 @@ class ServerInfoReader:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def numerics(info: SGLangServerInfo) -> Numerics:
+    return Numerics(
+        dtype=info.dtype or "auto",
+        attention_backend=info.attention_backend or "",
+        sampling_backend=info.sampling_backend or "",
+        deterministic_inference=info.enable_deterministic_inference,
+        device=info.device or "",
+    )
