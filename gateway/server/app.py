@@ -78,7 +78,12 @@ class Gateway:
         )
         # restarting SGLang servers reload their weights from a survivor (seeded fast reload)
         self.reload = ReloadCoordinator(
-            monitor=self.monitor, control=self.control, load_params=self.load_params, metrics=self.metrics
+            monitor=self.monitor,
+            control=self.control,
+            load_params=self.load_params,
+            metrics=self.metrics,
+            reload=config.engine.reload,  # seeds only with "peer"
+            http=lambda: self.http,  # the seed's generation probe
         )
         self.tokenizer = make_tokenizer(config.tokenizer)
         self.policy = recovery_policy(config)
@@ -275,6 +280,7 @@ class Gateway:
             await self.server_info.stop()
         if self.verifier is not None:
             await self.verifier.close()
+        await self.reload.close()
         for task in (self._detector, self._assist_task, self._gray_task):
             if task is not None:
                 task.cancel()

@@ -32,18 +32,29 @@ from worker_hooks.sglang.agent_config import SidecarConfig
 from worker_hooks.sglang.launcher import WEIGHTS_GROUP_PORT_DELTA, host_port, server_command
 
 LOAD_S = {"LUMEN_SHIM_LOAD_S_DISK": "0.6", "LUMEN_SHIM_LOAD_S_PEER": "0.1"}
+PEER = {"engine.reload": "peer"}
+CPU = [
+    "--device",
+    "cpu",
+    "--enable-deterministic-inference",
+]  # seeded reload is on only where the configuration says so
 
 
 @contextlib.asynccontextmanager
 async def agents(
-    gw: Gateway, tmp: Path, *ids: str, env: dict[str, dict[str, str]] | None = None, **kw: Any
+    gw: Gateway,
+    tmp: Path,
+    *ids: str,
+    env: dict[str, dict[str, str]] | None = None,
+    args: dict[str, list[str]] | None = None,
+    **kw: Any,
 ) -> AsyncIterator[dict[str, Sidecar]]:
     """Agents launching stand-ins through the recording shim (model "standin", TP 1), all HEALTHY."""
     async with contextlib.AsyncExitStack() as stack:
         out = {}
         for wid in ids:
             url = free_url()
-            extra = ["--model-path", "standin", "--token-delay-ms", "25"]
+            extra = ["--model-path", "standin", "--token-delay-ms", "25", *(args or {}).get(wid, [])]
             launch = server_command(url, extra, env={"LUMEN_SGLANG_LAUNCHER": " ".join(SHIM)})
             launch_env = {
                 **os.environ,
@@ -100,7 +111,7 @@ def timeline(gw: Gateway, wid: str, since: float) -> str:
 
 async def test_a_killed_server_reloads_from_the_least_loaded_survivor(tmp_path: Path) -> None:
     async with (
-        gateway() as gw,
+        gateway(**PEER) as gw,
         agents(gw, tmp_path, "s0", "s1", "s2") as sc,
         aiohttp.ClientSession() as http,
     ):
@@ -152,7 +163,7 @@ async def test_a_killed_server_reloads_from_the_least_loaded_survivor(tmp_path: 
 @pytest.mark.slow  # the disk fallbacks; the default run keeps the seeded reload
 async def test_a_seeded_server_that_fails_is_launched_again_from_storage(tmp_path: Path) -> None:
     async with (
-        gateway() as gw,
+        gateway(**PEER) as gw,
         # a busy machine can delay the seed's answer: the agent waits longer for it here
         agents(gw, tmp_path, "s0", "s1", env={"s0": {"LUMEN_SHIM_SEED_FAILS": "1"}}, seed_wait_s=5.0) as sc,
         aiohttp.ClientSession() as http,
@@ -181,7 +192,7 @@ async def test_a_seeded_server_that_fails_is_launched_again_from_storage(tmp_pat
 @pytest.mark.slow  # the disk fallbacks; the default run keeps the seeded reload
 async def test_a_seed_not_ready_in_time_is_killed_and_storage_used(tmp_path: Path) -> None:
     async with (
-        gateway() as gw,
+        gateway(**PEER) as gw,
         agents(
             gw, tmp_path, "s0", "s1", env={"s0": {"LUMEN_SHIM_LOAD_S_PEER": "30"}}, seed_timeout_s=1.5
         ) as sc,
@@ -200,7 +211,7 @@ async def test_a_seed_not_ready_in_time_is_killed_and_storage_used(tmp_path: Pat
 async def test_with_no_survivor_of_the_same_deployment_it_loads_from_storage(tmp_path: Path) -> None:
     """s1 serves another TP: not a seed. The agent waits seed_wait_s for nothing, then loads from disk."""
     async with (
-        gateway() as gw,
+        gateway(**PEER) as gw,
         agents(gw, tmp_path, "s0", seed_wait_s=0.3) as sc,
         agents(gw, tmp_path, "s1", tp=2),
         aiohttp.ClientSession() as http,
@@ -220,7 +231,7 @@ async def test_with_no_survivor_of_the_same_deployment_it_loads_from_storage(tmp
 
 async def test_a_reload_is_reported_once_per_gateway(tmp_path: Path) -> None:
     """The reload rides on the first SERVING heartbeat after it, and on no later one."""
-    async with gateway() as gw:
+    async with gateway(**PEER) as gw:
         seen: list[pb.Heartbeat] = []
         gw.control.heartbeat_hooks.append(lambda r, hb: seen.append(hb) if hb.reload_source else None)
         async with agents(gw, tmp_path, "s0", seed_wait_s=0.1) as sc, aiohttp.ClientSession() as http:
@@ -229,3 +240,20 @@ async def test_a_reload_is_reported_once_per_gateway(tmp_path: Path) -> None:
             await state_event(gw, to("s0", WorkerState.HEALTHY, newer_than=first), within=20)
             await heartbeat(gw, lambda r, hb: r.incarnation > first and hb.seq >= 10)
         assert len(seen) == 1 and seen[0].phase == pb.SERVING and seen[0].reload_source == "disk"
+
+
+async def test_with_engine_reload_disk_the_gateway_names_no_seed(tmp_path: Path) -> None:
+    """The default configuration: the agent asks, the gateway names no seed, storage is used."""
+    async with (
+        gateway() as gw,
+        agents(gw, tmp_path, "s0", "s1", seed_wait_s=0.3) as sc,
+        aiohttp.ClientSession() as http,
+    ):
+        first = gw.monitor.workers["s0"].incarnation
+        await kill(http, sc["s0"])
+        back = await state_event(gw, to("s0", WorkerState.HEALTHY, newer_than=first), within=20)
+        choice = gw.reload.choices[-1]
+        assert (choice.worker, choice.seed, choice.off) == ("s0", None, True)
+        assert [s["load_format"] for s in starts(tmp_path, "s0")] == ["auto", "auto"]
+        assert "reloaded from storage (disk)" in back.reason
+        assert gw.reload.seeding == {}

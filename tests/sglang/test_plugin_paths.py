@@ -38,7 +38,7 @@ import sglang
 import torch
 
 from gateway.protocol.sglang import kv_hints_for, parse_kv_hints
-from worker_hooks.sglang import plugin
+from worker_hooks.sglang import plugin, plugin_seed
 from worker_hooks.sglang.plugin import HOOKS, after_decode_result
 from worker_hooks.sglang.plugin_reader import MHA_LAYOUTS, MLA_LAYOUTS, KvReader
 
@@ -93,8 +93,8 @@ def test_the_installed_sglang_is_the_pinned_one() -> None:
 
 # -- the hooked paths -------------------------------------------------------------------------------
 def test_every_hooked_path_resolves_with_the_assumed_signature() -> None:
-    assert HOOKS == ((plugin.DECODE_RESULT_HOOK, "AFTER"),)
-    for target, _kind in HOOKS:
+    assert HOOKS == ((plugin.DECODE_RESULT_HOOK, "AFTER"), (plugin_seed.SEND_GROUP_HOOK, "AROUND"))
+    for target, _kind in HOOKS[:1]:
         module, cls_name, meth = target.rsplit(".", 2)
         _, tree = source_of(module)
         fn = method(class_def(tree, cls_name), meth)
@@ -109,6 +109,78 @@ def test_every_hooked_path_resolves_with_the_assumed_signature() -> None:
         assert pkgutil.resolve_name(f"{module}.{cls_name}") is getattr(mod, cls_name)
         sig = inspect.signature(getattr(getattr(mod, cls_name), meth))
         assert list(sig.parameters)[:3] == ["self", "batch", "result"]
+
+
+def test_the_weight_transfer_group_function_and_its_callers_are_as_the_time_box_assumes() -> None:
+    """plugin_seed.boxed_group reads `timeout` (3rd) and `group_name` (7th) by position or keyword; the
+    seed's and the restarting server's remote-instance groups are named `send_weights_...` and are
+    created without a timeout (torch's 30 minutes)."""
+    fn = pkgutil.resolve_name(plugin_seed.SEND_GROUP_HOOK)
+    names = list(inspect.signature(fn).parameters)
+    assert names[:7] == ["backend", "init_method", "timeout", "world_size", "rank", "store", "group_name"]
+    for module in (
+        "sglang.srt.model_executor.model_runner_components.weight_exporter",
+        "sglang.srt.connector.remote_instance",
+    ):
+        path, tree = source_of(module)
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "init_custom_process_group"
+        ]
+        assert calls, f"{module} no longer creates its group with init_custom_process_group"
+        for call in calls:
+            assert "timeout" not in {k.arg for k in call.keywords}, f"{path}: gives a timeout now"
+    src = source_of("sglang.srt.model_loader.remote_instance_weight_loader_utils")[0].read_text()
+    assert 'f"send_weights_{remote_instance_weight_loader_client_id}"' in src
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_sglangs_around_wrapper_gives_a_weight_group_the_time_box(
+    fresh_registry: Any, monkeypatch: pytest.MonkeyPatch, launched: bool
+) -> None:
+    import datetime
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    mod = types.ModuleType("lumen_stand_in_groups")
+    exec(
+        textwrap.dedent(
+            """
+            seen = []
+            def init_custom_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
+                                          rank=-1, store=None, group_name=None, pg_options=None,
+                                          device_id=None):
+                seen.append((group_name, timeout))
+                return group_name
+            """
+        ),
+        mod.__dict__,
+    )
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    if launched:
+        monkeypatch.setenv("LUMEN_PLANE_FILE", "/nonexistent/plane.json")
+    else:
+        monkeypatch.delenv("LUMEN_PLANE_FILE", raising=False)
+    monkeypatch.setenv("LUMEN_SGLANG_PLUGIN", '{"seed_group_timeout_s": 7.5}')
+    target = f"{mod.__name__}.init_custom_process_group"
+    HookRegistry.register(target, plugin_seed.boxed_group, HookType.AROUND)
+    HookRegistry._apply_target(target, HookRegistry._hooks[target])
+    f = mod.init_custom_process_group
+    assert f(backend="nccl", init_method="tcp://h:1", world_size=2, rank=0, group_name="send_weights_a_1_0")
+    f("nccl", "tcp://h:1", None, 2, 1, None, "send_weights_b_1_0")  # positionally, as a caller may
+    f(backend="nccl", group_name="update_weights")  # another group: left alone
+    given = datetime.timedelta(seconds=3)
+    f(backend="nccl", group_name="send_weights_c", timeout=given)  # an explicit timeout: left alone
+    box = datetime.timedelta(seconds=7.5) if launched else None
+    assert mod.seen == [
+        ("send_weights_a_1_0", box),
+        ("send_weights_b_1_0", box),
+        ("update_weights", None),
+        ("send_weights_c", given),
+    ]
 
 
 def test_the_scheduler_calls_the_hooked_function_every_decode_step() -> None:
@@ -312,6 +384,8 @@ def test_the_entry_point_loads_through_sglangs_loader(
     ((kind, fn, source),) = hooks
     assert kind.name == "AFTER" and fn is after_decode_result
     assert source.plugin_name == "lumen"
+    ((kind, fn, _),) = registry._hooks.get(plugin_seed.SEND_GROUP_HOOK, [])
+    assert kind.name == "AROUND" and fn is plugin_seed.boxed_group
 
 
 def test_the_installed_metadata_has_the_entry_point() -> None:

@@ -13,6 +13,14 @@ measured from the server's exit to the first 200 from `/ready`, with its source 
 reported once to each gateway with the first SERVING heartbeat after it (`reload_seconds`,
 `reload_source`, `reload_seed`; agent_role.py); the first launch is not a reload.
 
+Never where it cannot work: SGLang's remote_instance loader takes only CUDA and NPU devices
+(`RemoteInstanceConnector`, srt/connector/remote_instance.py: "RemoteInstanceConnector only supports cuda
+device."), so a server launched with another `--device` (cpu) is never seeded (`seed_refusal`): its
+relaunches never say `awaiting_seed`, wait for no seed and load from storage at once, and a ReloadFrom
+that comes anyway is ignored. A seeded launch there failed in its loader, but only after asking the seed
+to set up the transfer group, which left the seed's scheduler waiting for a peer that never came
+(plugin_seed.py now time-boxes that wait in every server Lumen launched).
+
 The `Sidecar` (agent.py) calls `started`, `exited` and `ready` as the server's process and `/ready` say
 so; `next_command` is the launcher's `ServerProcess.next_command`.
 """
@@ -29,9 +37,26 @@ from typing import Any, Protocol
 import structlog
 
 from worker_hooks.sglang.agent_config import SidecarConfig
-from worker_hooks.sglang.launcher import LaunchError, ServerExit, seeded_command
+from worker_hooks.sglang.launcher import LaunchError, ServerExit, device_of, seeded_command
 
 log = structlog.get_logger(__name__)
+
+
+# the devices SGLang's remote_instance loader takes (srt/connector/remote_instance.py)
+SEEDED_DEVICES = frozenset({"cuda", "npu"})
+
+
+def seed_refusal(launch: list[str] | None) -> str:
+    """Why a server launched with `launch` can never load its weights from a seed ("": it can)."""
+    if launch is None:
+        return ""
+    device = device_of(launch)
+    if device.split(":", 1)[0] not in SEEDED_DEVICES:
+        return (
+            f"--device {device}: SGLang's remote_instance loader takes only {' and '.join(sorted(SEEDED_DEVICES))} "
+            "(srt/connector/remote_instance.py)"
+        )
+    return ""
 
 
 class Emit(Protocol):
@@ -83,7 +108,11 @@ class Reloader:
         `seeding`: relaunches may be seeded; `kill`: kill the running server."""
         self.cfg = cfg
         self.launch = launch
-        self.seeding = seeding
+        # never where SGLang's loader cannot take a seed: relaunches then load from storage at once
+        self.seed_refused = seed_refusal(launch) if seeding else ""
+        self.seeding = seeding and not self.seed_refused
+        if self.seed_refused:
+            log.info("seeded reload off", worker_id=cfg.worker_id, reason=self.seed_refused)
         self._emit = emit
         self._kill = kill
         self.awaiting_seed = False  # between the server's exit and its relaunch, when it may be seeded

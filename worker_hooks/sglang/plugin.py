@@ -9,7 +9,8 @@ point (group `sglang.srt.plugins`, name `lumen`, `SGLANG_PLUGINS=lumen`) in ever
 scheduler processes (one per TP/PP rank) ever run its hook.
 
 This module is that entry point and the hook: `register` hooks `after_decode_result` AFTER
-`SchedulerBatchResultProcessor.process_batch_result_decode`; the first decode step builds this rank's
+`SchedulerBatchResultProcessor.process_batch_result_decode` (and puts a time box on a seed's
+weight-transfer group set-up, plugin_seed.py); the first decode step builds this rank's
 `Checkpointer` (plugin_checkpointer.py) from SGLang's runtime context (`build`), which then runs after
 every decode step. Pages are read out of the device pool by `KvReader` (plugin_reader.py), in the byte
 order SGLang's HiCache host pool gives a page, so the page keys are SGLang's own (`pagekeys` =
@@ -47,6 +48,7 @@ from gateway.protocol.plane_file import PLANE_FILE_ENV
 from worker_hooks.sglang.plugin_checkpointer import Checkpointer
 from worker_hooks.sglang.plugin_logic import options_from_env
 from worker_hooks.sglang.plugin_reader import Unsupported, reader_for_pool
+from worker_hooks.sglang.plugin_seed import SEND_GROUP_HOOK, boxed_group
 from worker_hooks.sglang.storage_layout import shard_layout
 
 log = structlog.get_logger("lumen.sglang.plugin")
@@ -56,7 +58,7 @@ DECODE_RESULT_HOOK: Final = (
     "sglang.srt.managers.scheduler_components.batch_result_processor."
     "SchedulerBatchResultProcessor.process_batch_result_decode"
 )
-HOOKS: Final = ((DECODE_RESULT_HOOK, "AFTER"),)
+HOOKS: Final = ((DECODE_RESULT_HOOK, "AFTER"), (SEND_GROUP_HOOK, "AROUND"))
 MAX_HOOK_ERRORS: Final = 3  # then the plugin turns itself off
 NOT_LAUNCHED: Final = f"not launched by Lumen ({PLANE_FILE_ENV} is not set): no checkpoints"
 
@@ -74,6 +76,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(DECODE_RESULT_HOOK, after_decode_result, HookType.AFTER)
+    # a seed's weight-transfer group set-up is time-boxed (plugin_seed.py)
+    HookRegistry.register(SEND_GROUP_HOOK, boxed_group, HookType.AROUND)
 
 
 def build(processor: Any) -> Checkpointer:

@@ -60,6 +60,8 @@ class PluginOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_lag_bytes: int = 256 << 20  # per holder, in the KV plane's sender: beyond it, abandoned there
     frame_bytes: int = 1 << 20
     drain_timeout_s: float = 0.5  # at exit, how long queued pages may still go out
+    # seeded reload: the longest a weight-transfer group's set-up may wait for its peer (plugin_seed.py)
+    seed_group_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         sizes = (
@@ -75,6 +77,8 @@ class PluginOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             )
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.seed_group_timeout_s <= 0:
+            raise ValueError("seed_group_timeout_s must be > 0")
 
 
 def options_from_env(env: Mapping[str, str]) -> PluginOptions:
