@@ -202,14 +202,36 @@ async def test_a_polled_server_is_judged_in_units_of_its_poll_interval() -> None
             phase=pb.SERVING,
         )
     )
-    rec.heartbeat_interval_s = 0.05  # as SGLangPoller sets it
-    await run(clock, mon, 3.0, {"sg": 0.05}, {"sg": lambda: 0.05})
+    rec.heartbeat_interval_s = 0.05  # as SGLangPoller sets it (its poll period)
+    # known for 5 minutes: the patience it attached with (core/polls.py prime) has decayed
+    await run(clock, mon, 300.0, {"sg": 0.05}, {"sg": lambda: 0.05})
     assert rec.state is S.HEALTHY and rec.detector is not None and rec.detector.params.interval_s == 0.05
     hung_at = clock.t
     await run(clock, mon, 0.5, {"sg": None}, {"sg": lambda: 0.05})  # type: ignore[dict-item]
     [failed] = [e for e in mon.events if e.dst is S.FAILED]
     # not probed (its polls are the probe): FAILED at its own fail threshold, >= misses x 50 ms
     assert 0.15 <= failed.t - hung_at < 0.25
+
+
+async def test_a_polled_server_just_attached_is_given_the_caps_patience() -> None:
+    clock, mon = make(0, prober=FakeProbe(None))
+    hello = pb.Hello(
+        protocol_version=1,
+        worker_id="sg",
+        incarnation=1,
+        http_url="http://sg",
+        engine="sglang",
+        phase=pb.SERVING,
+    )
+    rec = mon.attach(hello)
+    rec.heartbeat_interval_s = 0.05
+    await run(clock, mon, 3.0, {"sg": 0.05}, {"sg": lambda: 0.05})
+    hung_at = clock.t
+    await run(clock, mon, 3.5, {"sg": None}, {"sg": lambda: 0.05})  # type: ignore[dict-item]
+    [failed] = [e for e in mon.events if e.dst is S.FAILED]
+    # nothing known of it yet: a silence is failed only near the cap (3 s), never after it
+    cap = mon.detector_params.max_silence_s
+    assert 0.9 * cap <= failed.t - hung_at <= cap + 0.05
 
 
 def test_failed_and_removed_records_expire_and_stay_fenced() -> None:

@@ -26,6 +26,7 @@ from gateway.core.detector import DetectorParams, HeartbeatDetector
 from gateway.core.determinism import UNKNOWN
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
+from gateway.core.polls import prime
 from gateway.core.types import ClusterView
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
@@ -164,11 +165,16 @@ class LoadMonitor:
             last_heartbeat=now,
             attached_at=now,
         )
+        rec.detector = HeartbeatDetector(self.detector_params, now)
         if rec.engine is EngineKind.SGLANG:
             # what its /server_info says is read once it serves (server_info.py); until then, what the
             # previous incarnation's said (the same server, usually relaunched with the same arguments)
-            rec.determinism = old.determinism if old is not None and old.engine is rec.engine else UNKNOWN
-        rec.detector = HeartbeatDetector(self.detector_params, now)
+            same = old is not None and old.engine is rec.engine
+            rec.determinism = old.determinism if old is not None and same else UNKNOWN
+            # no probe confirms an SGLang worker's silence (its polls, or its agent's heartbeats, are
+            # all there is): what its previous incarnation taught, and the cap's patience at first
+            # (core/polls.py prime; a busy host delays an agent's heartbeats as it slows /ready)
+            prime(rec.detector, now, old.detector if old is not None and same else None)
         self.expiry.forget(rec.id)
         self.views.track(rec)
         self.workers[rec.id] = rec

@@ -39,7 +39,7 @@ import msgspec
 import structlog
 
 from gateway.core.health import ALIVE_STATES
-from gateway.core.polls import PollClock, poll_timeout_s, prime
+from gateway.core.polls import PollClock, poll_timeout_s
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.protocol.sglang import SGLangLoads
@@ -181,16 +181,15 @@ class SGLangPoller:
                 max_running_requests=sum(r.max_running_requests for r in loads.loads) if first else 0,
                 held_batch=t.held_batch,
             )
-            earlier = self.monitor.workers.get(t.worker_id)
             try:
                 rec = self.monitor.attach(hello)
             except AttachRefused as exc:
                 log.warning("sglang_attach_refused", worker=t.worker_id, reason=str(exc))
                 await asyncio.sleep(self.interval_s)
                 continue
+            # its detector (primed by the monitor: its earlier incarnation's history, the cap's
+            # patience at first) judges in units of its poll period
             rec.heartbeat_interval_s = self.clocks[t.worker_id].period_s()
-            if rec.detector is not None:  # what its earlier incarnation taught, and patience at first
-                prime(rec.detector, self.monitor.clock(), earlier.detector if earlier is not None else None)
             self.monitor.heartbeat(rec, _heartbeat(loads))
             log.info("sglang_attached", worker=t.worker_id, url=t.url, incarnation=incarnation)
             return rec
