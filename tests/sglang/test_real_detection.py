@@ -236,3 +236,35 @@ async def test_a_stopped_server_is_failed_within_the_bound(real_servers: ServerP
         # stream's end), not counting the gateway's own stalls
         assert ev.t - stopped - own_stalls <= cap + 0.5, ev
         assert not any(e.worker_id == "sg1" and e.dst is WorkerState.FAILED for e in events)
+
+
+async def test_a_real_servers_determinism_is_read_and_a_seeded_request_says_so(
+    real_servers: ServerPool,
+) -> None:
+    """What the gateway reads from a real CPU server's /server_info (deliverable 4): float32 on cpu with
+    torch-native attention promises no bit-equal replay and ignores sampling_seed; a seeded sampled
+    request is served and its response says its replay is not reproducible."""
+    servers = real_servers.live(2)
+    async with (
+        cluster(servers, "agentless") as (gw, _events),
+        aiohttp.ClientSession(
+            f"http://127.0.0.1:{gw.http_port}", timeout=aiohttp.ClientTimeout(total=120)
+        ) as http,
+    ):
+        async with asyncio.timeout(30):
+            while any("/server_info" in w.determinism.note for w in gw.monitor.workers.values()):
+                await asyncio.sleep(0.05)
+        async with http.get("/admin/workers") as resp:
+            workers = await resp.json()
+        notes = {w["id"]: w["determinism"] for w in workers}
+        report("determinism", workers=notes)
+        for d in notes.values():
+            assert d["label"] == "not-promised" and not d["bit_equal"] and not d["seeded"], d
+            assert d["note"].startswith("float32 on cpu (torch_native attention, pytorch sampling)"), d
+        body = {"prompt": "The sea", "max_tokens": 8, "temperature": 0.9, "seed": 11}
+        async with http.post("/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            note = resp.headers.get("Lumen-Replay", "")
+            doc = await resp.json()
+        assert note.startswith("not-reproducible") and "sg0, sg1" in note
+        assert doc["object"] == "text_completion" and doc["choices"][0]["text"]
