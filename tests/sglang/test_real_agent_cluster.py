@@ -39,7 +39,7 @@ from loadtests.cluster_proc import free_port
 from tests.e2e.test_sglang_agent_e2e import Proc, admin, pid_alive, workers_when
 from tests.sglang.real import CPU_ARGS, gateway_settings, post_json, server_port, tiny_models
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)  # generous: the lane's machine is shared
 
 START_S = 300.0  # a real server starts in ~20 s idle; the lane's machine is shared
 MAX_NEW = 240
@@ -167,9 +167,10 @@ async def test_two_launching_agents_on_two_gateways_a_server_killed_mid_stream_e
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             for url in urls:
                 await workers_when(http, url, lambda ws: [w["state"] for w in ws] == ["HEALTHY"] * 2, 60)
-            ws = await admin(http, urls[0], "GET", "/admin/workers")
-            before = {w["id"]: w for w in ws}
-            assert {before[f"sg{i}"]["pid"] for i in range(2)} == started
+            # each gateway's session has its own incarnation of the server
+            inc = {url: {w["id"]: w for w in await admin(http, url, "GET", "/admin/workers")} for url in urls}
+            for url in urls:
+                assert {inc[url][f"sg{i}"]["pid"] for i in range(2)} == started
             # the server runs at the gateway's page size, on CPU, without the flag SGLang refuses there
             info = await asyncio.to_thread(get_json, f"{servers[0]}/server_info")
             assert (info["page_size"], info["device"], info["enable_deterministic_inference"]) == (
@@ -190,7 +191,7 @@ async def test_two_launching_agents_on_two_gateways_a_server_killed_mid_stream_e
                 assert ids == ref, f"stream {i} differs from SGLang's own answer"
             for url in urls:  # both gateways failed the killed server's incarnation
                 failed = await events_to(http, url, "sg0", "FAILED")
-                assert failed[0]["incarnation"] == before["sg0"]["incarnation"]
+                assert failed[0]["incarnation"] == inc[url]["sg0"]["incarnation"]
             cut = [
                 it for url in urls for it in (await admin(http, url, "GET", "/admin/sessions"))["interrupted"]
                 if it["worker"] == "sg0"
@@ -205,11 +206,8 @@ async def test_two_launching_agents_on_two_gateways_a_server_killed_mid_stream_e
                 await workers_when(
                     http,
                     url,
-                    lambda ws: any(
-                        w["id"] == "sg0"
-                        and w["state"] == "HEALTHY"
-                        and w["incarnation"] > before["sg0"]["incarnation"]
-                        for w in ws
+                    lambda ws, old=inc[url]["sg0"]["incarnation"]: any(
+                        w["id"] == "sg0" and w["state"] == "HEALTHY" and w["incarnation"] > old for w in ws
                     ),
                     START_S,
                 )
@@ -347,5 +345,13 @@ async def test_two_gateways_on_cpu_in_mode_lumen_a_gateway_killed_mid_stream_res
         for a, b in zip(cut, ref, strict=True):
             assert a.ok and b.ok, (a.error, b.error)
             assert a.resumes == 1 and a.completion_tokens == b.completion_tokens == MAX_NEW
-            assert a.text == b.text, f"request {a.idx} differs after the resume"
+            assert a.text == b.text, (
+                f"request {a.idx} differs after the resume: {first_difference(a.text, b.text)}"
+            )
         print(f"\ntwo gateways on CPU: {len(cut)} streams resumed on gateway 1 with Last-Event-ID, all exact")
+
+
+def first_difference(got: str, want: str) -> str:
+    """Where two texts part, with some context either side (for the assertion's message)."""
+    i = next((k for k, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), min(len(got), len(want)))
+    return f"at char {i} of {len(want)}: got {got[max(0, i - 20) : i + 20]!r}, want {want[max(0, i - 20) : i + 20]!r}"

@@ -114,8 +114,10 @@ def launcher_prefix(env: dict[str, str] | None = None) -> list[str]:
         return shlex.split(override)
     if not sglang_installed():
         raise LaunchError(
-            "sglang is not installed: pip install 'lumen[sglang]' (sglang 0.5.23, needs CUDA GPUs; "
-            f"docs/sglang.md), or set {LAUNCHER_ENV} to another launcher"
+            f"sglang is not installed in this Python ({sys.executable}): the agent launches the server "
+            "with its own interpreter, so run it from SGLang's environment with Lumen installed there, "
+            "or pip install 'lumen[sglang]' (sglang 0.5.23; CUDA GPUs, or --device cpu; docs/sglang.md), "
+            f"or set {LAUNCHER_ENV} to another launcher"
         )
     return [sys.executable, "-m", SGLANG_MODULE]
 
