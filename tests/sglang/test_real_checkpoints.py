@@ -37,7 +37,7 @@ from gateway.protocol.plane_file import PLANE_FILE_ENV, PlaneFile, write_plane_f
 from gateway.protocol.planes import CurveKeypair, Member, MemberTable, PlaneAuth
 from gateway.protocol.sglang import kv_hints_for
 from tests.fixtures.kv_holder import Holder
-from tests.sglang.real import ServerPool, SGLangServer, post_json, tiny_models
+from tests.sglang.real import ServerPool, SGLangServer, tiny_models
 from worker_hooks.sglang import tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -136,6 +136,15 @@ def stream(url: str, req: dict[str, Any], on_chunk: Callable[[list[int]], bool])
     return out
 
 
+def abort(url: str, rid: str) -> None:
+    """SGLang's /abort_request (it answers 200 with an empty body)."""
+    r = urllib.request.Request(
+        f"{url}/abort_request", json.dumps({"rid": rid}).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(r, timeout=30) as resp:
+        assert resp.status == 200
+
+
 def wait_for(cond: Callable[[], bool], within_s: float = 30.0) -> None:
     deadline = time.monotonic() + within_s
     while not cond():
@@ -174,7 +183,7 @@ def test_pages_of_a_decoding_request_reach_the_holder_under_sglangs_keys_with_th
 
     out = stream(server.url, body(rid, ids, holder, 1000), watch)
     # the request is aborted mid-decode, as the gateway does to a stream it moves: no END, pages kept
-    post_json(f"{server.url}/abort_request", {"rid": rid})
+    abort(server.url, rid)
     held = [d for n, d in seen if n >= 200]
     assert held and max(held) > 0, f"nothing held while decoding: {seen[-5:]}"
     # pages keep up with decode: at 300 emitted, all but the page being filled (and one in flight)
@@ -227,7 +236,12 @@ def test_a_finished_request_ends_its_checkpoint_so_the_holder_keeps_nothing(
 
     out = stream(server.url, body(rid, ids, holder, 300), watch)
     assert len(out) == 300
-    wait_for(lambda: holder.server.stats.ends == 1)
+    try:
+        wait_for(lambda: holder.server.stats.ends == 1)
+    except AssertionError:
+        raise AssertionError(
+            f"no END: receiver {holder.server.stats}, store {holder.read(lambda st: st.stats())}, peak {peak[0]}"
+        ) from None
     sent = (len(ids) + 300 - 1) // PAGE  # every complete page with KV, then END
     assert holder.server.stats.pages == sent and holder.server.stats.payload_bytes == sent * PAGE_BYTES
     assert peak[0] > 0  # held while it decoded
