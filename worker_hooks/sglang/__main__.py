@@ -2,11 +2,13 @@
 
     python -m worker_hooks.sglang --url http://127.0.0.1:30000 --gateway 127.0.0.1:50151 [--gateway ...]
         [--id ID] [--tp N] [--seed-wait-s 2] [--seed-timeout-s 300] [--weights-group-ports P0,P1,...]
-        [--launch -- <sglang launch_server args>]
+        [--page-size 64] [--launch -- <sglang launch_server args>]
 
 Without `--launch` the server is someone else's: the agent only watches it. With `--launch` the agent
-starts `python -m sglang.launch_server ARGS` (plus the flags Lumen needs; see launcher.py), restarts it
-when it dies (unless `--no-restart`: then the agent exits 1 once it died), and stops it on exit.
+starts `python -m sglang.launch_server ARGS` with its own interpreter, so it runs from SGLang's Python
+environment (plus the flags Lumen needs, `--page-size` when ARGS give none, and on `--device cpu` the
+CPU environment; see launcher.py), restarts it when it dies (unless `--no-restart`: then the agent exits
+1 once it died), and stops it on exit.
 `LUMEN_SGLANG_LAUNCHER` replaces the launcher command (a testing hook: launcher.py).
 
 Seeded reload (with `--launch`; agent_reload.py): after the server died, the agent waits up to `--seed-wait-s`
