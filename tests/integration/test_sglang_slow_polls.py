@@ -15,10 +15,10 @@ from aiohttp import web
 
 from gateway.core.health import WorkerState
 from gateway.server.workers.monitor import StateEvent
-from tests.fixtures.sglang_standin import SGLangStandIn
+from tests.fixtures.sglang_standin import SGLangStandIn, expected_ids
 from tests.integration.test_sglang_agent import gateway as agent_gateway
 from tests.integration.test_sglang_agent import sidecar, standin, state_event, to
-from tests.integration.test_sglang_gateway import sglang_cluster
+from tests.integration.test_sglang_gateway import sglang_cluster, stream_ids
 
 WINDOW_S = 4.0
 
@@ -50,7 +50,7 @@ async def test_agentless_servers_answering_in_a_quarter_second_are_never_suspect
         assert events == [], [(e.worker_id, e.dst.value, e.reason) for e in events]
         for w in gw.monitor.workers.values():
             assert w.heartbeat_interval_s is not None and w.heartbeat_interval_s > 0.25  # learned
-            assert w.heartbeats >= WINDOW_S / 0.35
+            assert w.heartbeats >= 5  # polls went on (~4 s / 0.3 s on a quiet machine; 11 seen at load 22)
         # a hung one is still FAILED, within the cap after its last answer
         rec = gw.monitor.workers["sg0"]
         last, forgiven = rec.last_heartbeat, gw.monitor.stall_forgiven_s
@@ -77,3 +77,30 @@ async def test_the_agent_keeps_a_server_answering_ready_in_700_ms(monkeypatch: p
         failed = await state_event(gw, to("s0", WorkerState.FAILED), within=10.0)
         # the agent's bound: the cap after the last 200 (which came before the hang), + a poll
         assert failed.t - hung <= 3.0 + 0.7 + 0.5
+
+
+async def test_a_connection_closed_before_any_answer_does_not_fail_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A /generate whose connection the server closes before answering (what a pooled keep-alive
+    connection uvicorn has just dropped looks like) moves the request on and does not fail the server:
+    a loaded, healthy real server was failed this way in the real lane (before: 'data connection:
+    connect/post failed: ServerDisconnectedError')."""
+    generate = SGLangStandIn._generate
+    closed = [0]
+
+    async def flaky(self: SGLangStandIn, request: web.Request) -> web.StreamResponse:
+        if not closed[0]:
+            closed[0] += 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=200)
+        return await generate(self, request)
+
+    monkeypatch.setattr(SGLangStandIn, "_generate", flaky)
+    async with sglang_cluster(n=1) as (gw, _servers, http):
+        events: list[StateEvent] = []
+        gw.monitor.on_state_change.append(events.append)
+        prompt = list(b"closed once")
+        assert await stream_ids(http, prompt, False, 8) == expected_ids(prompt, 8, 0.0)
+        assert closed[0] == 1 and events == [], [(e.worker_id, e.dst.value, e.reason) for e in events]

@@ -134,11 +134,16 @@ async def test_an_idle_pair_is_never_suspected(real_servers: ServerPool, form: s
     servers = real_servers.live(2)
     async with cluster(servers, form) as (gw, events):
         t0 = time.monotonic()
-        bad = await first_bad(events, {WorkerState.SUSPECT, WorkerState.FAILED}, IDLE_S)
+        # the whole window, every transition counted (a figure), failed only at its end
+        await first_bad(events, set(), IDLE_S)
         report(
-            f"idle-{form}", window_s=round(time.monotonic() - t0, 1), events=len(events), workers=figures(gw)
+            f"idle-{form}",
+            window_s=round(time.monotonic() - t0, 1),
+            suspect_transitions=sum(e.dst is WorkerState.SUSPECT for e in events),
+            failed=sum(e.dst is WorkerState.FAILED for e in events),
+            events=[(round(e.t - t0, 1), e.worker_id, e.dst.value, e.reason) for e in events],
+            workers=figures(gw),
         )
-        assert bad is None, f"{bad.worker_id} {bad.src} -> {bad.dst}: {bad.reason}"
         assert not events, [(e.worker_id, e.dst.value, e.reason) for e in events]
 
 

@@ -237,6 +237,12 @@ class WorkerStream:
             resp = await watch.wait(post, watch.time() + self._first_timeout)
         except TimeoutError as exc:
             raise self._lost_after_timeout("no response headers") from exc
+        except aiohttp.ServerDisconnectedError as exc:
+            # closed before any answer: a pooled keep-alive connection the server had just closed
+            # (uvicorn drops idle ones after 5 s) looks the same as a dead server. The request moves
+            # on; the worker is not failed for it (a dead one refuses the next connect, or its poll).
+            # Seen: a healthy loaded real SGLang server failed this way (issue 27's real lane).
+            raise WorkerLost(f"connect/post failed: {exc!r}") from exc
         except aiohttp.ClientError as exc:
             raise WorkerLost(f"connect/post failed: {exc!r}", connection_broke=True) from exc
         if resp.status != 200:
