@@ -105,6 +105,8 @@ async def start_cluster() -> tuple[asyncio.subprocess.Process, dict]:
     cmd = [
         sys.executable, "-m", "gateway.cli", "cluster", "up", "--engine", "sglang", "--model", args.model,
         "--tp", str(args.tp), "--workers", "2", "--port", str(args.port), "--log-dir", str(out / "logs"),
+        # seeded reload is on only where the configuration says so (default "disk")
+        "--set", 'engine.reload="peer"',
         "--", *tail,
     ]  # fmt: skip
     say("starting: " + " ".join(cmd))
