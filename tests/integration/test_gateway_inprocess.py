@@ -23,7 +23,7 @@ MODEL = "lumen-synthetic"
 
 @contextlib.asynccontextmanager
 async def cluster(
-    n: int = 2, **overrides: Any
+    n: int = 2, worker: dict[str, Any] | None = None, **overrides: Any
 ) -> AsyncIterator[tuple[Gateway, list[Any], aiohttp.ClientSession]]:
     cfg = load_config(
         overrides={
@@ -49,6 +49,7 @@ async def cluster(
                 model="Qwen3-0.6B",
                 time_scale=0.2,
                 heartbeat_interval_ms=50,
+                **(worker or {}),
             )
             workers.append(await stack.enter_async_context(start_worker(spec)))
         for _ in range(200):

@@ -303,17 +303,10 @@ async def test_the_issues_cluster_up_command_serves_on_p_and_a_kill_leaves_every
         print(f"\ncluster up on CPU: {len(cut)} streams cut by `lumen cluster kill`, all exact")
 
 
-# Found by this test (2 of 2 runs): a completions step whose text is "" (a byte-level token that does not
-# finish a character yet) writes no event, and gateway/server/api/respond.py counts a step's ids into the
-# stream position only when it writes events; so a Last-Event-ID undercounts the ids the client's text
-# covers, and the resumed stream repeats that text (ids and token counts stay equal). Counting every
-# non-replayed step (positions.step before the `if events` test) made it pass (1 run, 420 s). Stand-ins
-# never stream such tokens. Not fixed here: gateway/server is another helper's.
-@pytest.mark.xfail(
-    reason="respond.py leaves the ids of a step that wrote no event out of the stream position: a "
-    "resumed completion repeats text the client had",
-    strict=False,
-)
+# Found by this test (2 of 2 runs before the fix): a completions step whose text is "" (a byte-level
+# token that does not finish a character yet) wrote no event and its ids were left out of the stream
+# position, so a resumed stream repeated text the client had. Stand-ins never streamed such tokens;
+# tests/integration/test_resume_stream.py now has a case that does.
 async def test_two_gateways_on_cpu_in_mode_lumen_a_gateway_killed_mid_stream_resumes_exact(
     tmp_path: Path,
 ) -> None:

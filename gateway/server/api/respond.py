@@ -63,9 +63,15 @@ async def respond(
             while got is not None:
                 index, step = got
                 events = fmt.chunks(index, step, gens[index])  # a replayed step updates the format
-                if not step.replay and events:
-                    if positions is not None:
-                        positions.step(index, step)
+                if step.replay:
+                    got = await choices.next()
+                    continue
+                # every step's ids count toward the stream's position, also a step whose text is held
+                # back (a byte-level token that ends no character writes no event): the next event's
+                # id must cover them, or a stream resumed from it would repeat that text
+                if positions is not None:
+                    positions.step(index, step)
+                if events:
                     await resp.write(_events(events, positions))
                 got = await choices.next()
             if positions is None or not positions.closed:

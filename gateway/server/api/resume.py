@@ -111,7 +111,8 @@ class StreamIds:
         self.closed = p.closed if p else False
 
     def step(self, index: int, step: Step) -> None:
-        """Count a step whose events were written (replayed steps were counted before the break)."""
+        """Count a step sent on (its events written, or its text held back); replayed steps were counted
+        before the break."""
         if step.replay:
             return
         sent, done, worker, wrid, epoch = self._steps[index]
