@@ -20,6 +20,7 @@ from gateway.cluster.fleet import GatewayFleet, healthy_everywhere
 from gateway.cluster.sglang import Checkpoints, SGLangCluster, SGLangLaunch, agent_specs
 from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
 from gateway.config import Config
+from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import policy_for
 from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.control_secret import publish_token, with_control_token
@@ -92,6 +93,7 @@ async def run_fleet(
                 log_level=config.gateway.log_level,
                 stop_grace_s=config.timeouts.shutdown_grace_s,
                 page_size=config.engine.page_size,
+                peer_reload=config.engine.reload is ReloadSource.PEER,
             )
             cluster, n = (
                 SGLangCluster(

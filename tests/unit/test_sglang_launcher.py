@@ -134,6 +134,17 @@ def test_each_agent_launches_one_server_on_its_own_gpus() -> None:
     assert len({s.url for s in bare}) == 3
 
 
+def test_agents_wait_for_a_seed_only_where_the_gateway_names_one() -> None:
+    """engine.reload = "disk" (the default): the gateway names no seed, so a relaunch does not wait the
+    agent's --seed-wait-s for one; "peer": the agent's own default wait."""
+    launch = SGLangLaunch(model="m", workers=1)
+    [disk] = agent_specs(launch, "h:1", default_workers=1)
+    [peer] = agent_specs(launch, "h:1", default_workers=1, peer_reload=True)
+    head = list(disk.argv[: disk.argv.index("--")])
+    assert head[head.index("--seed-wait-s") + 1] == "0"
+    assert "--seed-wait-s" not in peer.argv[: peer.argv.index("--")]
+
+
 def server_tail(spec: AgentSpec) -> list[str]:
     """The launch_server arguments an agent is given (after its `--`)."""
     return list(spec.argv[spec.argv.index("--") + 1 :])
