@@ -76,6 +76,7 @@ ALLOWED_ON_WORKERS = (
     "gateway.core.outage",  # the queue order and batch limit the engine shares with the simulator (issue 17)
     "gateway.core.reload",  # a draft-first restart's timeline (DraftFirst), the simulator's too
     "gateway.core.polls",  # the SGLang agent judges its server's polls by the gateway's rule (issue 27)
+    "gateway.core.determinism",  # which attention backends take deterministic inference: one list (issue 27)
 )
 
 

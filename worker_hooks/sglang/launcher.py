@@ -62,6 +62,8 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from gateway.core.determinism import DETERMINISTIC_ATTENTION_BACKENDS
+
 log = structlog.get_logger(__name__)
 
 LAUNCHER_ENV = "LUMEN_SGLANG_LAUNCHER"
@@ -70,8 +72,6 @@ SGLANG_MODULE = "sglang.launch_server"
 # flags Lumen needs, added when the launch arguments lack them (value None: a switch)
 REQUIRED_FLAGS: tuple[tuple[str, str | None], ...] = (("--sampling-backend", "pytorch"),)
 DETERMINISTIC = "--enable-deterministic-inference"
-# SGLang 0.5.23's DETERMINISTIC_ATTENTION_BACKEND_CHOICES (srt/arg_groups/choices.py)
-DETERMINISTIC_ATTENTION_BACKENDS = frozenset({"ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton"})
 CPU_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_shim")
 
 # the queue order Lumen asks of a server by each request's priority (gateway/core/outage.py
