@@ -66,7 +66,16 @@ def _ok(generates: bool) -> dict[str, Any]:
     if generates:
         content["text/event-stream"] = {}  # SSE: `data: <chunk JSON>` events, then `data: [DONE]`
     why = "OK" + (" (an SSE stream when `stream` is true)" if generates else "")
-    return {"description": why, "content": content}
+    ok: dict[str, Any] = {"description": why, "content": content}
+    if generates:  # docs/sglang.md, Determinism
+        ok["headers"] = {
+            "Lumen-Replay": {
+                "description": "on a sampled request where a live server ignores `sampling_seed`: "
+                '`not-reproducible; reason="..."` (the same seed, or a resume, may give other tokens)',
+                "schema": {"type": "string"},
+            }
+        }
+    return ok
 
 
 def document(
