@@ -85,8 +85,11 @@ class PollClock:
         return self.interval_s + self.normal_answer_s()
 
     def params(self, base: DetectorParams) -> DetectorParams:
-        """The detector's rule for this server, in units of its poll period."""
-        return base.for_interval(self.period_s())
+        """The detector's rule for this server, in units of its poll period, which is taken at most
+        `max_silence_s / misses`: the floor of `misses` periods never lifts the cap, so a hung server
+        is FAILED at most `max_silence_s` after its last answer however slow its answers were (its
+        window's gaps still say how slow)."""
+        return base.for_interval(min(self.period_s(), base.max_silence_s / base.misses))
 
 
 def prime(det: HeartbeatDetector, now_s: float, earlier: HeartbeatDetector | None = None) -> None:

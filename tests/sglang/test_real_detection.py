@@ -192,6 +192,8 @@ async def test_a_loaded_pair_is_never_failed(real_servers: ServerPool, form: str
             workers=figures(gw),
         )
         assert bad is None, f"{bad.worker_id} {bad.src} -> {bad.dst}: {bad.reason}"
+        # nor while the clients finished their last requests
+        assert not [e for e in events if e.dst is WorkerState.FAILED], events
         assert done[0] > 0
 
 
