@@ -85,11 +85,11 @@ class PollClock:
         return self.interval_s + self.normal_answer_s()
 
     def params(self, base: DetectorParams) -> DetectorParams:
-        """The detector's rule for this server, in units of its poll period, which is taken at most
-        `max_silence_s / misses`: the floor of `misses` periods never lifts the cap, so a hung server
-        is FAILED at most `max_silence_s` after its last answer however slow its answers were (its
-        window's gaps still say how slow)."""
-        return base.for_interval(min(self.period_s(), base.max_silence_s / base.misses))
+        """The detector's rule for this server, in units of its poll period. Its cap is
+        max(`max_silence_s`, `misses` periods) (`DetectorParams.for_interval`): a server whose answers
+        take ~1 s is not failed by a 3 s cap under its own floor of `misses` periods. (Capping the
+        period at cap / misses instead failed healthy real servers behind agents at load ~14.)"""
+        return base.for_interval(self.period_s())
 
 
 def prime(det: HeartbeatDetector, now_s: float, earlier: HeartbeatDetector | None = None) -> None:
