@@ -13,8 +13,9 @@ So the rule is the heartbeat detector's (`HeartbeatDetector`, `judge`), in units
 the median of the last `ANSWER_WINDOW` answer times; a hung server answers nothing, so a hang never
 teaches it patience). Every floor of the rule scales with that period (2 periods before SUSPECT,
 `misses` periods before FAILED, the minimum deviation), the window's mean, deviation and longest gap
-follow the answers themselves, and the cap (`max_silence_s`, 3 s by default) bounds it all: a hung
-server is FAILED once its silence passes the fail threshold, and never later than the cap.
+follow the answers themselves, and the cap bounds it all: a hung server is FAILED once its silence
+passes the fail threshold, and never later than max(`max_silence_s` (3 s by default), `misses`
+periods) after its last answer.
 
 A poll is allowed to wait for its answer until the silence it ends would be a failure anyway
 (`poll_timeout_s`): a slow answer is a late heartbeat, not a missed one.

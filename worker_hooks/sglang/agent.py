@@ -23,7 +23,7 @@ the agent launched it; a refused or reset connection on a poll otherwise; or no 
 longer than the server's answers make normal (a hung or unready server): the gateway's rule for
 polled servers (gateway/core/polls.py: the heartbeat detector in units of the server's poll period,
 `poll_interval_s` plus its median answer time, with floor `poll_misses` periods; at most
-`DetectorParams.max_silence_s`, 3 s, after the last 200). The sessions then re-attach as new
+max(`DetectorParams.max_silence_s`, 3 s, `poll_misses` periods) after the last 200). The sessions then re-attach as new
 incarnations in LOADING_FULL and report SERVING once `/ready` is 200 again (after the launcher has
 restarted the server, or whoever runs it did).
 """

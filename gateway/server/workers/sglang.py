@@ -14,8 +14,8 @@ For each configured server (`[[sglang.workers]]` or `lumen gateway --sglang-url 
   a late heartbeat, never a miss (idle real servers on a busy machine took 190–270 ms to answer, and
   SUSPECT flapped while polls were cut at `heartbeat_misses` × interval);
 - fails the incarnation at once when a poll's connection is refused or reset; a hung server is
-  FAILED by the detector's verdict on its silence (at most `health.max_silence_ms` after its last
-  answer), and one that keeps answering 503 on /ready after `health.heartbeat_misses` such answers (its
+  FAILED by the detector's verdict on its silence (at most max(`health.max_silence_ms`,
+  `heartbeat_misses` poll periods) after its last answer), and one that keeps answering 503 on /ready after `health.heartbeat_misses` such answers (its
   running requests resume elsewhere; it re-attaches as a new incarnation once /ready is 200 again).
 
 A watcher never dies of one bad poll: each poll runs in a task of its own under one deadline (an HTTP
