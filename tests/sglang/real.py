@@ -25,6 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from loadtests.cluster_proc import free_port
 from worker_hooks.sglang import tiny_model
 from worker_hooks.sglang.launcher import cpu_environment
@@ -155,3 +157,19 @@ class ServerPool:
         for s in self.servers:
             s.stop()
         self.servers.clear()
+
+
+async def stream_generate(
+    http: aiohttp.ClientSession, body: dict[str, Any], seen: list[int], url: str = ""
+) -> list[int]:
+    """`/generate` streamed through a gateway (at `url`, or the session's base URL); `seen` holds the
+    cumulative ids as they come, so a test can tell when every stream is mid-way."""
+    async with http.post(f"{url}/generate", json={**body, "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.strip()
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                chunk = json.loads(line[5:])
+                assert "error" not in chunk, chunk
+                seen[:] = chunk["output_ids"]
+    return list(seen)

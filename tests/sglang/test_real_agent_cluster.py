@@ -37,7 +37,7 @@ import pytest
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import free_port
 from tests.e2e.test_sglang_agent_e2e import Proc, admin, pid_alive, workers_when
-from tests.sglang.real import CPU_ARGS, gateway_settings, post_json, server_port, tiny_models
+from tests.sglang.real import CPU_ARGS, gateway_settings, post_json, server_port, stream_generate, tiny_models
 
 pytestmark = pytest.mark.timeout(900)  # generous: the lane's machine is shared
 
@@ -59,21 +59,6 @@ async def direct(url: str, body: dict[str, Any]) -> list[int]:
     """The ids SGLang itself gives for `body` (the reference)."""
     out = await asyncio.to_thread(post_json, f"{url}/generate", body, 300.0)  # a loaded 2-core machine
     return list(out["output_ids"])
-
-
-async def stream_generate(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], seen: list[int]
-) -> list[int]:
-    """`/generate` streamed through a gateway; `seen` holds the cumulative ids as they come."""
-    async with http.post(f"{url}/generate", json={**body, "stream": True}) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                chunk = json.loads(line[5:])
-                assert "error" not in chunk, chunk
-                seen[:] = chunk["output_ids"]
-    return list(seen)
 
 
 async def mid_stream(seen: list[list[int]], tokens: int = 16, within: float = 120.0) -> None:
@@ -181,7 +166,7 @@ async def test_two_launching_agents_on_two_gateways_a_server_killed_mid_stream_e
             refs = await asyncio.gather(*(direct(servers[i % 2], greedy(p)) for i, p in enumerate(PROMPTS)))
             seen: list[list[int]] = [[] for _ in PROMPTS]
             streams = [
-                asyncio.create_task(stream_generate(http, urls[i % 2], greedy(p), s))
+                asyncio.create_task(stream_generate(http, greedy(p), s, url=urls[i % 2]))
                 for i, (p, s) in enumerate(zip(PROMPTS, seen, strict=True))
             ]
             await mid_stream(seen)
@@ -278,7 +263,7 @@ async def test_the_issues_cluster_up_command_serves_on_p_and_a_kill_leaves_every
         )
         seen: list[list[int]] = [[] for _ in PROMPTS]
         streams = [
-            asyncio.create_task(stream_generate(http, url, greedy(p), s))
+            asyncio.create_task(stream_generate(http, greedy(p), s, url=url))
             for p, s in zip(PROMPTS, seen, strict=True)
         ]
         await mid_stream(seen)

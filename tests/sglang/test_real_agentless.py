@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 from gateway.config import load_config
 from gateway.core.health import WorkerState
 from gateway.server.app import Gateway
-from tests.sglang.real import MODEL_NAME, ServerPool, SGLangServer, tiny_models
+from tests.sglang.real import MODEL_NAME, ServerPool, SGLangServer, stream_generate, tiny_models
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,19 +63,6 @@ def greedy(text: str, max_new: int = MAX_NEW, **extra: Any) -> dict[str, Any]:
 
 async def direct(server: SGLangServer, body: dict[str, Any]) -> Any:
     return await asyncio.to_thread(server.generate, body)
-
-
-async def stream_generate(http: aiohttp.ClientSession, body: dict[str, Any], seen: list[int]) -> list[int]:
-    """`/generate` streamed through the gateway; `seen` holds the cumulative ids as they come."""
-    async with http.post("/generate", json={**body, "stream": True}) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                chunk = json.loads(line[5:])
-                assert "error" not in chunk, chunk
-                seen[:] = chunk["output_ids"]
-    return list(seen)
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from gateway.protocol.planes import MemberTable, PlaneAuth
 from gateway.server.app import Gateway
 from models.torch_weights import load_model
 from tests.integration.test_sglang_draft_assist import restarting_drafter
-from tests.sglang.real import ServerPool, tiny_models
-from tests.sglang.test_real_agentless import direct, gateway_config, greedy, stream_generate
+from tests.sglang.real import ServerPool, stream_generate, tiny_models
+from tests.sglang.test_real_agentless import direct, gateway_config, greedy
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -21,8 +21,8 @@ import pytest
 
 from gateway.core.health import WorkerState
 from gateway.server.app import Gateway
-from tests.sglang.real import ServerPool, SGLangServer
-from tests.sglang.test_real_agentless import direct, gateway_config, greedy, stream_generate
+from tests.sglang.real import ServerPool, SGLangServer, stream_generate
+from tests.sglang.test_real_agentless import direct, gateway_config, greedy
 from worker_hooks.sglang.launcher import PRIORITY_FLAGS
 
 pytestmark = pytest.mark.timeout(600)
