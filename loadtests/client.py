@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.protocol.streamid import RESUMABLE_HEADERS
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -66,7 +68,8 @@ async def stream_completion(
     }
     if r.seed is not None:
         body["seed"] = r.seed
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # Lumen's own client asks for a resumable stream (`id:` lines, Last-Event-ID): plain ones get none
+    headers = dict(RESUMABLE_HEADERS, **({"Authorization": f"Bearer {api_key}"} if api_key else {}))
     urls = [base_url, *[u for u in resume_urls if u != base_url]]
     r.arrival = time.monotonic()
     parts: list[str] = []

@@ -80,6 +80,12 @@ class GatewaySection:
     api_keys: tuple[str, ...] = ()
     # bearer keys for /admin; empty: admin is open on loopback only. Also from LUMEN_ADMIN_API_KEYS.
     admin_api_keys: tuple[str, ...] = ()
+    # resumable streams (`id:` lines, `Last-Event-ID`, keep-alive comments; gateway/protocol/streamid.py):
+    # false: only for requests that ask (header `Lumen-Resumable: 1`) and the keys below; other streams
+    # are framed as SGLang and OpenAI servers frame them. true: every stream
+    resumable_streams: bool = False
+    # key ids (`key-` + 8 hex digits, as in the logs and metrics) whose every stream is resumable
+    resumable_keys: tuple[str, ...] = ()
     # shared secret workers present in Hello. Also from LUMEN_CONTROL_TOKEN. Empty: the gateway
     # generates one at start and writes it to control_token_file (gateway/protocol/secrets.py)
     control_token: str = ""

@@ -77,6 +77,13 @@ def _gateway(cfg: Config) -> None:
     _choice("gateway.log_level", g.log_level, ("debug", "info", "warning", "error"))
     for i, k in enumerate(g.api_keys):
         _check(len(k) >= 8, f"gateway.api_keys[{i}]", "***", "an API key must have at least 8 characters")
+    for i, kid in enumerate(g.resumable_keys):
+        _check(
+            re.fullmatch(r"key-[0-9a-f]{8}", kid) is not None,
+            f"gateway.resumable_keys[{i}]",
+            kid,
+            "a key id is 'key-' and 8 hex digits (as the logs name keys), not the key itself",
+        )
     _control_plane(g)
 
 

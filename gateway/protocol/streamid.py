@@ -1,6 +1,12 @@
 """SSE event ids that let a client resume a broken stream on any gateway of the cluster.
 
-Every streamed event carries `id: <position>`: where the stream stands after that event, per choice —
+Resumable streams are asked for: a request with the header `Lumen-Resumable: 1` (`RESUMABLE_HEADER`;
+also any request carrying `Last-Event-ID`), a caller whose API key is listed in
+`gateway.resumable_keys`, or every stream with `gateway.resumable_streams = true`. Any other stream is
+framed exactly as SGLang and OpenAI servers frame it (`data:` lines and blank lines only), which
+clients that parse SSE line by line (`python -m sglang.bench_serving`) need.
+
+Every event of a resumable stream carries `id: <position>`: where the stream stands after that event, per choice —
 how many output ids the client's text already covers, whether the choice has ended, the seed base its
 tokens are sampled with, and the worker attempt serving it (so another gateway can adopt the running
 request instead of recomputing it). A client whose stream broke re-sends the same request with
@@ -36,6 +42,15 @@ _KEY_LABEL = b"lumen stream id v2"
 _PERSON = b"lumen-sid-v2"
 _TAG_BYTES = 16
 MAX_STREAM_ID_CHARS = 8192  # a longer Last-Event-ID is refused unread
+# the request header a client sends to get a resumable stream (`id:` lines, keep-alive comments)
+RESUMABLE_HEADER = "Lumen-Resumable"
+RESUMABLE_HEADERS = {RESUMABLE_HEADER: "1"}  # what Lumen's own clients send
+_YES = frozenset({"1", "true", "yes", "on"})
+
+
+def asks_resumable(value: str | None) -> bool:
+    """Whether a `Lumen-Resumable` header value asks for a resumable stream (1, true, yes, on)."""
+    return value is not None and value.strip().lower() in _YES
 
 
 class StreamIdError(ValueError):

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.protocol.streamid import StreamIdError, StreamPosition, read_position
+from gateway.protocol.streamid import RESUMABLE_HEADERS, StreamIdError, StreamPosition, read_position
 from loadtests.client import sse_events
 
 
@@ -75,7 +75,8 @@ async def run_request(
     }
     if h["seed"] is not None:
         body["seed"] = h["seed"]
-    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # a resumable stream, asked for (`id:` lines; Last-Event-ID)
+    auth = dict(RESUMABLE_HEADERS, **({"Authorization": f"Bearer {api_key}"} if api_key else {}))
     at: list[str] = []  # the last complete event's id, kept across a break (an exception included)
     h["sent_at"] = time.monotonic() - t0
     for attempt in range(max_attempts):

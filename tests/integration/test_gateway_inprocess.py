@@ -14,6 +14,7 @@ import pytest
 from gateway.config import load_config
 from gateway.protocol.generate import SamplingParams
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.streamid import RESUMABLE_HEADERS
 from gateway.server.app import Gateway
 from models.synthetic import expected_output
 from worker_hooks.engine.service import start_worker
@@ -56,7 +57,10 @@ async def cluster(
             if gw.monitor.healthy_count() == n:
                 break
             await asyncio.sleep(0.02)
-        http = await stack.enter_async_context(aiohttp.ClientSession(f"http://127.0.0.1:{gw.http_port}"))
+        # Lumen's own clients ask for resumable streams (`id:` lines; gateway/protocol/streamid.py)
+        http = await stack.enter_async_context(
+            aiohttp.ClientSession(f"http://127.0.0.1:{gw.http_port}", headers=RESUMABLE_HEADERS)
+        )
         try:
             yield gw, workers, http
         finally:

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.config import Config, GatewaySection, LimitsSection, TokenizerSection
 from gateway.protocol.generate import TokenLogprob
+from gateway.protocol.streamid import RESUMABLE_HEADERS
 from gateway.server.api.errors import GatewayError, NoWorkerAvailable, UpstreamFailed
 from gateway.server.api.jobs import GenerateJob, TokenDelta
 from gateway.server.api.middleware import error_middleware
@@ -610,7 +611,8 @@ async def test_gateway_error_statuses(make: Factory, error: GatewayError) -> Non
 
 async def test_client_disconnect_closes_generator(make: Factory) -> None:
     client, gen = await make(delay=0.01)
-    resp = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 100, "stream": True})
+    body = {"prompt": "abc", "max_tokens": 100, "stream": True}
+    resp = await client.post("/v1/completions", json=body, headers=RESUMABLE_HEADERS)
     assert resp.status == 200
     first = await resp.content.readuntil(b"\n\n")
     assert first.startswith(b"id: ") and b"\ndata: " in first

@@ -5,6 +5,9 @@ JSON error with its own status. A GatewayError after the stream has begun is sen
 `data: {"error": {...}}` event and the stream ends WITHOUT `data: [DONE]`: a missing [DONE] tells a
 client the output is incomplete. Once the headers are out, a stream silent for `keepalive_s`
 (`limits.sse_keepalive_s`) gets a `: keep-alive` comment line (keepalive.py).
+
+Only a resumable stream (`positions`: the client asked, resume.py) carries `id:` lines and keep-alive
+comments; any other is framed as SGLang and OpenAI servers frame theirs: `data:` lines, blank lines.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ async def respond(
             return json_response(fmt.response(["".join(p) for p in parts], gens), headers)
         first = await choices.next()  # raises before any output: the middleware answers with a status
         # from here on, silence longer than limits.sse_keepalive_s gets a comment line (keepalive.py)
-        resp = SseResponse(keepalive_s)
+        # keep-alive comments only on resumable streams: a client parsing SSE line by line (as SGLang's
+        # own bench_serving does) reads a comment line as a broken data line
+        resp = SseResponse(keepalive_s if positions is not None else 0.0)
         if headers:
             resp.headers.update(headers)
         await resp.prepare(request)

@@ -41,7 +41,7 @@ from gateway.protocol.openai.requests import (
     parse_completion,
     parse_generate,
 )
-from gateway.protocol.streamid import stream_key
+from gateway.protocol.streamid import RESUMABLE_HEADER, asks_resumable, stream_key
 from gateway.server.api.admission import KEY_ID, guard, limiter_of
 from gateway.server.api.chat_template import ChatTemplate
 from gateway.server.api.detokenize import Detokenizer
@@ -168,8 +168,20 @@ class ClientApi:
     def stream_ids(
         self, request: web.Request, body: dict[str, object], rid: str, created: int, choices: Choices,
         resume: ResumePoint | None,
-    ) -> StreamIds:  # fmt: skip
+    ) -> StreamIds | None:  # fmt: skip
+        """The positions of a resumable stream, or None: a stream framed as SGLang and OpenAI servers
+        frame theirs (no `id:` lines, no keep-alive comments) unless the request asks (header
+        `Lumen-Resumable`, or a Last-Event-ID) or the gateway or the caller's key is configured so."""
         caller = request.get(KEY_ID, "")
+        g = self.config.gateway
+        wanted = (
+            resume is not None
+            or g.resumable_streams
+            or asks_resumable(request.headers.get(RESUMABLE_HEADER))
+            or (bool(caller) and caller in g.resumable_keys)
+        )
+        if not wanted:
+            return None
         return StreamIds(self.stream_key, body, caller, rid, created, choices.gens, resume)
 
 
