@@ -354,7 +354,7 @@ class SessionManager:
                     self.http,
                     worker.http_url,
                     body,
-                    first_chunk_timeout_s=self.recovery.first_token_timeout_s,
+                    first_chunk_timeout_s=self._first_chunk_timeout(s),
                     stall_timeout_s=self.recovery.stall_timeout_s,
                     keep_alive=not sglang,  # uvicorn drops idle connections after 5 s, before the pool
                 )
@@ -433,6 +433,13 @@ class SessionManager:
         finally:
             worker.inflight -= 1
             self.monitor.unwatch(worker.id, sub)
+
+    def _first_chunk_timeout(self, s: Session) -> float:
+        """How long an attempt may wait for its first chunk: `first_token_timeout_s` while the client
+        has no token yet; once its stream has started (a resumed attempt), the stall bound between
+        two of its chunks, `stall_timeout_s` (a resumed attempt used to wait the first-token bound)."""
+        r = self.recovery
+        return r.stall_timeout_s if s.emitted else r.first_token_timeout_s
 
     def _abort_on(self, worker: WorkerRecord, rid: str) -> None:
         """Ask a worker to drop `rid` (the client left, or the request moved elsewhere)."""
