@@ -170,35 +170,43 @@ async def test_two_launching_agents_on_two_gateways_a_server_killed_mid_stream_e
                 for i, (p, s) in enumerate(zip(PROMPTS, seen, strict=True))
             ]
             await mid_stream(seen)
-            os.killpg(first[0]["pid"], signal.SIGKILL)
+            # the victim: the server with streams on it (each gateway's router may have put all of its
+            # streams on one server; seen once in CI: none on sg0, so killing it cut nothing)
+            running = {f"sg{i}": 0 for i in range(2)}
+            for url in urls:
+                for w in await admin(http, url, "GET", "/admin/workers"):
+                    running[w["id"]] += w["inflight"]
+            v = 0 if running["sg0"] >= running["sg1"] else 1
+            victim, other = f"sg{v}", f"sg{1 - v}"
+            os.killpg(first[v]["pid"], signal.SIGKILL)
             got = await asyncio.wait_for(asyncio.gather(*streams), 240)
             for i, (ref, ids) in enumerate(zip(refs, got, strict=True)):
                 assert ids == ref, f"stream {i} differs from SGLang's own answer"
             for url in urls:  # both gateways failed the killed server's incarnation
-                failed = await events_to(http, url, "sg0", "FAILED")
-                assert failed[0]["incarnation"] == inc[url]["sg0"]["incarnation"]
+                failed = await events_to(http, url, victim, "FAILED")
+                assert failed[0]["incarnation"] == inc[url][victim]["incarnation"]
             cut = [
                 it for url in urls for it in (await admin(http, url, "GET", "/admin/sessions"))["interrupted"]
-                if it["worker"] == "sg0"
+                if it["worker"] == victim
             ]  # fmt: skip
-            assert cut and all(it["resumed_on"] == "sg1" for it in cut)
+            assert cut and all(it["resumed_on"] == other for it in cut), (running, cut)
             # the agent relaunches its server, which serves again as a new incarnation on both gateways
-            relaunched = await agents[0].event(
-                "server_started", within=60, after=1 + _index(agents[0], first[0])
+            relaunched = await agents[v].event(
+                "server_started", within=60, after=1 + _index(agents[v], first[v])
             )
             started.add(int(relaunched["pid"]))
             for url in urls:
                 await workers_when(
                     http,
                     url,
-                    lambda ws, old=inc[url]["sg0"]["incarnation"]: any(
-                        w["id"] == "sg0" and w["state"] == "HEALTHY" and w["incarnation"] > old for w in ws
+                    lambda ws, old=inc[url][victim]["incarnation"]: any(
+                        w["id"] == victim and w["state"] == "HEALTHY" and w["incarnation"] > old for w in ws
                     ),
                     START_S,
                 )
-            exits = [e for e in agents[0].events if e["event"] == "server_exited"]
+            exits = [e for e in agents[v].events if e["event"] == "server_exited"]
             assert [e["returncode"] for e in exits] == [-signal.SIGKILL], exits  # the kill, nothing else
-            assert not [e for e in agents[1].events if e["event"] == "server_exited"]
+            assert not [e for e in agents[1 - v].events if e["event"] == "server_exited"]
             print(
                 f"\nservers ready {t_ready - t0:.0f} s after the start; {len(cut)} streams cut, all exact; "
                 f"relaunch serving {time.monotonic() - t_ready:.0f} s after the first ready"
@@ -327,19 +335,28 @@ async def test_two_gateways_on_cpu_in_mode_lumen_a_gateway_killed_mid_stream_res
             asyncio.create_task(stream_completion(http, urls[0], model, r, resume_urls=[urls[1]]))
             for r in cut
         ]
-        async with asyncio.timeout(120):  # mid-stream: every client has some text
-            while not all(len(r.chunk_times) >= 8 for r in cut):
+        # Mid-stream: every client has some text, or one stream is already complete (on a loaded machine
+        # the server may admit the eight unevenly; seen once in CI: one finished while another waited).
+        async with asyncio.timeout(120):
+            while not (all(len(r.chunk_times) >= 8 for r in cut) or any(t.done() for t in tasks)):
                 await asyncio.sleep(0.01)
+        kill_at = time.monotonic()
         os.kill(ready["gateway_pids"][0], signal.SIGKILL)
+        # a stream whose last chunk arrived before the kill needed no resume
+        finished_before = {r.idx for r, t in zip(cut, tasks, strict=True) if t.done()}
         await asyncio.wait_for(asyncio.gather(*tasks), 240)
         await asyncio.gather(*(stream_completion(http, urls[1], model, r) for r in ref))
+        finished_before |= {r.idx for r in cut if r.resumes == 0 and r.chunk_times[-1] < kill_at}
+        assert len(finished_before) <= len(cut) // 2, f"too few streams cut: {finished_before} had ended"
         for a, b in zip(cut, ref, strict=True):
             assert a.ok and b.ok, (a.error, b.error)
-            assert a.resumes == 1 and a.completion_tokens == b.completion_tokens == MAX_NEW
+            assert a.resumes == (0 if a.idx in finished_before else 1), (a.idx, finished_before)
+            assert a.completion_tokens == b.completion_tokens == MAX_NEW
             assert a.text == b.text, (
                 f"request {a.idx} differs after the resume: {first_difference(a.text, b.text)}"
             )
-        print(f"\ntwo gateways on CPU: {len(cut)} streams resumed on gateway 1 with Last-Event-ID, all exact")
+        resumed = len(cut) - len(finished_before)
+        print(f"\ntwo gateways on CPU: {resumed} streams resumed on gateway 1 with Last-Event-ID, all exact")
 
 
 def first_difference(got: str, want: str) -> str:
