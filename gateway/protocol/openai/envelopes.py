@@ -154,6 +154,11 @@ class Envelope:
         """The whole body of a one-choice response."""
         return self.response_of([self.choice(text, finish, logprobs=logprobs)], usage)
 
+    def settle(self, index: int) -> None:
+        """The client already has the logprobs queued for choice `index` (those of a resumed stream's
+        replayed tokens): drop them as if sent."""
+        self._pending.pop(index, None)
+
     def _take(self, index: int, logprobs: Sequence[Logprob] | None, send: bool) -> list[Logprob] | None:
         """Queue `logprobs` for choice `index`; everything queued when `send`, else None."""
         if logprobs is None:
@@ -183,6 +188,11 @@ class CompletionEnvelope(Envelope):
         if lps is not None:
             rendered, self._offsets[index] = completion_logprobs(lps, self._offsets.get(index, 0))
         return [self.chunk({"index": index, "text": text, "logprobs": rendered, "finish_reason": finish})]
+
+    def settle(self, index: int) -> None:
+        pending = self._pending.pop(index, None)
+        if pending:  # their characters count in the text offsets that follow
+            self._offsets[index] = completion_logprobs(pending, self._offsets.get(index, 0))[1]
 
     def choice(
         self, text: str, finish: str | None, *, index: int = 0, logprobs: Sequence[Logprob] | None = None

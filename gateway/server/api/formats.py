@@ -50,6 +50,7 @@ class OpenAIFormat:
     def __init__(self, envelope: Envelope, token_text: Callable[[int], TokenText] | None = None) -> None:
         self.envelope = envelope
         self._token_text = token_text
+        self._replayed_text: set[int] = set()  # choices whose replay (a resumed stream) released text
 
     def logprobs(self, g: Generation, lps: Sequence[TokenLogprob]) -> list[Logprob] | None:
         """The envelope's logprobs for `lps`; None when the request asked for none."""
@@ -59,7 +60,18 @@ class OpenAIFormat:
         return [Logprob(tt(t.token_id), t.logprob, tuple((tt(i), v) for v, i in t.top)) for t in lps]
 
     def chunks(self, index: int, step: Step, g: Generation) -> list[Json]:
+        """A replayed step (a resumed stream) only updates the envelope's state. Where its replay
+        released text, the client has every replayed token's logprob (a stream's position counts a
+        choice's tokens only once its logprobs are sent, resume.py `StreamIds`): those still queued
+        behind the replay's held-back text are settled, not sent again. Where it released none, the
+        client has none of them: they go with the next chunk that carries text."""
         lps = self.logprobs(g, step.logprobs)
+        if step.replay:
+            if step.text:
+                self._replayed_text.add(index)
+        elif index in self._replayed_text:
+            self._replayed_text.discard(index)
+            self.envelope.settle(index)
         return self.envelope.chunks(step.text, _reason(step.finish), index=index, logprobs=lps)
 
     def closing(self, gens: Sequence[Generation]) -> list[Json]:

@@ -109,17 +109,30 @@ class StreamIds:
             else [(0, False, "", "", 0)] * len(gens)
         )
         self.closed = p.closed if p else False
+        # per choice: ids of steps whose text is held back, not yet in its `sent` (see `step`)
+        self._held = [0] * len(gens)
 
     def step(self, index: int, step: Step) -> None:
-        """Count a step sent on (its events written, or its text held back); replayed steps were counted
-        before the break."""
+        """Count a step sent on; replayed steps were counted before the break.
+
+        A step whose text is held back (a byte that ends no character, a possible stop string) writes
+        no text, and its logprobs wait for the next chunk with text (envelopes.py). Its ids count once
+        that chunk is sent, with it: a position never covers a token whose logprob the client lacks
+        (another choice's event, or a chat role chunk, may carry an id meanwhile). While a choice has
+        sent no text at all its held ids count at once (the client has nothing of it but, in chat, its
+        role chunk, and a replay of them releases no text, so their logprobs are all sent after it)."""
         if step.replay:
             return
         sent, done, worker, wrid, epoch = self._steps[index]
         a = step.attempt
         if a is not None:
             worker, wrid, epoch = a.worker_id, a.wrid, a.epoch
-        self._steps[index] = (sent + len(step.ids), done or step.finish is not None, worker, wrid, epoch)
+        if step.text or step.finish is not None or sent == 0:
+            sent += self._held[index] + len(step.ids)
+            self._held[index] = 0
+        else:
+            self._held[index] += len(step.ids)
+        self._steps[index] = (sent, done or step.finish is not None, worker, wrid, epoch)
 
     def position(self, *, closed: bool = False) -> str:
         return self._signer.sign(tuple(self._steps), closed=closed, cached=self._gens[0].cached_tokens)
