@@ -33,6 +33,7 @@ from gateway.config.sections import (
     TorchSection,
     draft_for,
     recovery_policy,
+    server_api_key,
 )
 from gateway.config.validate import sglang_worker_id, validate
 
@@ -64,6 +65,7 @@ __all__ = [
     "load_config",
     "parse_set",
     "recovery_policy",
+    "server_api_key",
     "sglang_worker_id",
     "validate",
     "with_overrides",

@@ -72,7 +72,9 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 def apply_env(cfg: Config) -> Config:
     """Secrets from the environment: LUMEN_API_KEYS, LUMEN_ADMIN_API_KEYS (comma-separated),
-    LUMEN_CONTROL_TOKEN, LUMEN_CONTROL_TOKEN_FILE; each replaces its config key when set."""
+    LUMEN_CONTROL_TOKEN, LUMEN_CONTROL_TOKEN_FILE; each replaces its config key when set.
+    LUMEN_SGLANG_API_KEY (or LUMEN_SGLANG_API_KEY_FILE): the key of every SGLang server whose
+    `[[sglang.workers]]` entry names none."""
     g = cfg.gateway
     env = os.environ
 
@@ -87,4 +89,12 @@ def apply_env(cfg: Config) -> Config:
         control_token=env.get("LUMEN_CONTROL_TOKEN", g.control_token),
         control_token_file=env.get("LUMEN_CONTROL_TOKEN_FILE", g.control_token_file),
     )
-    return dataclasses.replace(cfg, gateway=g)
+    # an SGLang server's key: its own entry's, else the environment's for every server naming none
+    sk, skf = env.get("LUMEN_SGLANG_API_KEY", ""), env.get("LUMEN_SGLANG_API_KEY_FILE", "")
+    workers = tuple(
+        w
+        if w.api_key or w.api_key_file or not (sk or skf)
+        else dataclasses.replace(w, api_key=sk, api_key_file=skf if not sk else "")
+        for w in cfg.sglang.workers
+    )
+    return dataclasses.replace(cfg, gateway=g, sglang=dataclasses.replace(cfg.sglang, workers=workers))

@@ -12,6 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from gateway.core.costmodel import ReloadSource
@@ -353,6 +354,20 @@ class SGLangWorker:
     # a server launched with room for the outage batch boost (--max-running-requests ceil(1.5 B)): the
     # gateway holds it to B running requests outside a recovery (0: not held; docs/sglang.md)
     held_batch: int = 0
+    # the server's --api-key, sent as the bearer of every request the gateway makes to it
+    # (gateway/server/workers/server_keys.py); or a file holding it (read at start). Neither: the
+    # environment's LUMEN_SGLANG_API_KEY or LUMEN_SGLANG_API_KEY_FILE, else no key
+    api_key: str = field(default="", repr=False)
+    api_key_file: str = ""
+
+
+def server_api_key(w: SGLangWorker) -> str:
+    """The configured server's API key: `api_key`, else the first line of `api_key_file`, else ""."""
+    if w.api_key:
+        return w.api_key
+    if w.api_key_file:
+        return Path(w.api_key_file).read_text().strip()
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gateway.config.errors import ConfigError
-from gateway.config.sections import Config, GatewaySection
+from gateway.config.sections import Config, GatewaySection, server_api_key
 from gateway.core.costmodel import GPUS, MODELS
 from gateway.core.dispatch import DispatchParams
 from gateway.core.draftpairs import DraftError, validate_pairs
@@ -397,6 +397,20 @@ def _sglang(cfg: Config) -> None:
             "must be an http:// or https:// URL of an SGLang server",
         )
         _check(0 <= w.held_batch <= 1_000_000, f"{key}.held_batch", w.held_batch, "must be in 0..1000000")
+        _check(
+            not (w.api_key and w.api_key_file),
+            f"{key}.api_key_file",
+            w.api_key_file,
+            "api_key or api_key_file, not both",
+        )
+        if w.api_key_file:
+            try:
+                found = bool(server_api_key(w))
+            except OSError as exc:
+                raise ConfigError(
+                    f"{key}.api_key_file", w.api_key_file, f"unreadable: {exc.strerror}"
+                ) from exc
+            _check(found, f"{key}.api_key_file", w.api_key_file, "the file holds no key")
         wid = sglang_worker_id(i, w.id)
         _check(wid not in ids, f"{key}.id", wid, "duplicate worker id")
         ids.add(wid)

@@ -23,7 +23,7 @@ SERVING: Phase
 DRAINING: Phase
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "incarnation", "model", "draft_model", "http_url", "kv_endpoint", "draft_endpoint", "kv_capacity_tokens", "ckpt_budget_bytes", "failure_domain", "auth_token", "page_size", "pid", "max_running_requests", "phase", "engine", "tp", "awaiting_seed", "plane_key", "held_batch")
+    __slots__ = ("protocol_version", "worker_id", "incarnation", "model", "draft_model", "http_url", "kv_endpoint", "draft_endpoint", "kv_capacity_tokens", "ckpt_budget_bytes", "failure_domain", "auth_token", "page_size", "pid", "max_running_requests", "phase", "engine", "tp", "awaiting_seed", "plane_key", "held_batch", "api_key")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Hello(_message.Message):
     AWAITING_SEED_FIELD_NUMBER: _ClassVar[int]
     PLANE_KEY_FIELD_NUMBER: _ClassVar[int]
     HELD_BATCH_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     incarnation: int
@@ -66,7 +67,8 @@ class Hello(_message.Message):
     awaiting_seed: bool
     plane_key: str
     held_batch: int
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., draft_model: _Optional[str] = ..., http_url: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., draft_endpoint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ckpt_budget_bytes: _Optional[int] = ..., failure_domain: _Optional[str] = ..., auth_token: _Optional[str] = ..., page_size: _Optional[int] = ..., pid: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., engine: _Optional[str] = ..., tp: _Optional[int] = ..., awaiting_seed: _Optional[bool] = ..., plane_key: _Optional[str] = ..., held_batch: _Optional[int] = ...) -> None: ...
+    api_key: str
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., model: _Optional[str] = ..., draft_model: _Optional[str] = ..., http_url: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., draft_endpoint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ckpt_budget_bytes: _Optional[int] = ..., failure_domain: _Optional[str] = ..., auth_token: _Optional[str] = ..., page_size: _Optional[int] = ..., pid: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., engine: _Optional[str] = ..., tp: _Optional[int] = ..., awaiting_seed: _Optional[bool] = ..., plane_key: _Optional[str] = ..., held_batch: _Optional[int] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class DurableTokens(_message.Message):
     __slots__ = ("rid", "tokens")

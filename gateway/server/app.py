@@ -12,7 +12,7 @@ import structlog
 from aiohttp import web
 from grpc import aio
 
-from gateway.config import Config, recovery_policy, sglang_worker_id
+from gateway.config import Config, recovery_policy, server_api_key, sglang_worker_id
 from gateway.core.costmodel import CostModel
 from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
@@ -44,6 +44,7 @@ from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.fences import FenceLedger
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
 from gateway.server.workers.server_info import ServerInfoReader
+from gateway.server.workers.server_keys import ServerKeys
 from gateway.server.workers.sglang import SGLangPoller, SGLangTarget
 
 log = structlog.get_logger("lumen.gateway")
@@ -183,11 +184,16 @@ class Gateway:
         )
         if self._generated_token:
             self._token_file = publish_token(g, self.control_port)
+        self.server_keys = ServerKeys(
+            {w.url: server_api_key(w) for w in self.config.sglang.workers}, self.monitor.workers.values
+        )
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.timeouts.worker_connect_s),
             # Lumen's workers take requests only with the cluster's bearer (derived from the token)
             headers={"Authorization": f"Bearer {worker_http_bearer(g.control_token)}"},
+            # SGLang servers started with --api-key get their own key instead (server_keys.py)
+            middlewares=(self.server_keys.middleware,),
         )
         self.sessions = SessionManager(
             monitor=self.monitor,

@@ -8,12 +8,19 @@ default run never imports it.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import pytest
 
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]
+
+# one SGLang API key for the lane (issue 30): an agent launches its server with it (instead of one it
+# generates, which a test's own direct calls to the server could not know), every gateway sends it to
+# every server, and tests/sglang/real.py's direct calls carry it. Servers a test starts without
+# --api-key take the bearer and ignore it.
+os.environ.setdefault("LUMEN_SGLANG_API_KEY", "lumen-real-lane-sglang-key-0123456789")
 
 
 @pytest.fixture(autouse=True)

@@ -111,8 +111,17 @@ class SGLangServer:
         return post_json(f"{self.url}/generate", body)
 
 
+def server_headers() -> dict[str, str]:
+    """The bearer of the lane's SGLang key (conftest.py puts LUMEN_SGLANG_API_KEY in the environment:
+    the agents launch their servers with it, the gateways send it), for a test's own direct calls."""
+    key = os.environ.get("LUMEN_SGLANG_API_KEY", "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> Any:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json", **server_headers()}
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
 

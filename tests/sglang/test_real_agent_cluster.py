@@ -37,7 +37,15 @@ import pytest
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import free_port
 from tests.e2e.test_sglang_agent_e2e import Proc, admin, pid_alive, workers_when
-from tests.sglang.real import CPU_ARGS, gateway_settings, post_json, server_port, stream_generate, tiny_models
+from tests.sglang.real import (
+    CPU_ARGS,
+    gateway_settings,
+    post_json,
+    server_headers,
+    server_port,
+    stream_generate,
+    tiny_models,
+)
 
 pytestmark = pytest.mark.timeout(900)  # generous: the lane's machine is shared
 
@@ -68,7 +76,7 @@ async def mid_stream(seen: list[list[int]], tokens: int = 16, within: float = 12
 
 
 def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=60) as resp:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=server_headers()), timeout=60) as resp:
         return json.loads(resp.read())
 
 

@@ -72,6 +72,7 @@ from worker_hooks.sglang.launcher import (  # noqa: E402
     with_headroom,
     with_page_size,
 )
+from worker_hooks.sglang.server_key import given_key, launch_key  # noqa: E402
 
 PARENT_POLL_S = 0.5
 
@@ -103,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="HOST:PORT",
         help="a gateway's control plane (repeatable: one control session per gateway)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="a file holding the server's API key (also LUMEN_SGLANG_API_KEY[_FILE]); with --launch and "
+        "no key given (here or as --api-key after --) the agent generates one",
     )
     p.add_argument("--id", help="worker id (default: sglang-<port>)")
     p.add_argument("--model", help="model name for Hello (default: --model-path of the launch arguments)")
@@ -306,9 +313,11 @@ def configure(args: argparse.Namespace, tail: list[str]) -> tuple[SidecarConfig,
     launch: list[str] | None = None
     tp = args.tp if args.tp is not None else tp_of(tail)
     held = args.held_batch or 0
+    api_key = given_key(args.api_key_file, os.environ)
     if args.launch:
         tail, from_launch = with_headroom(tail, args.outage_headroom)
         tail = with_page_size(tail, args.page_size)
+        tail, api_key = launch_key(tail, api_key)  # generated when none was given (server_key.py)
         held = held or from_launch
         launch = server_command(args.url, tail)
     storage = lumen_storage_config(tail)
@@ -340,6 +349,7 @@ def configure(args: argparse.Namespace, tail: list[str]) -> tuple[SidecarConfig,
         plane_file=os.environ.get("LUMEN_PLANE_FILE", ""),
         held_batch=held,
         page_size=page_size_of(tail),
+        api_key=api_key,
     )
     return cfg, launch
 

@@ -123,7 +123,7 @@ class Sidecar:
         self.server_pid: int | None = None
         self.exited = asyncio.Event()  # the launched server exited and will not be restarted
         self._signal = asyncio.Event()  # set (and replaced) by every emit
-        self.http = ServerHttp(cfg.url, cfg.worker_id)
+        self.http = ServerHttp(cfg.url, cfg.worker_id, cfg.api_key)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ checked once, when built."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker_hooks.sglang.launcher import host_port, weights_group_ports
 from worker_hooks.sglang.storage_layout import shard_endpoint, status_endpoint_for
@@ -44,6 +44,8 @@ class SidecarConfig:
     # the server's --page-size as launched (Hello.page_size); 0: not known (a server started elsewhere
     # without one in the launch arguments)
     page_size: int = 0
+    # the server's API key (server_key.py): sent on the agent's requests to it and in Hello; "": none
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.gateways:

@@ -85,6 +85,7 @@ class SGLangRole:
             page_size=cfg.page_size,
             # each gateway holds its share: together they keep the server to its batch
             held_batch=max(1, cfg.held_batch // len(cfg.gateways)) if cfg.held_batch else 0,
+            api_key=cfg.api_key,  # the gateways send it on their requests to the server
         )
 
     def heartbeat(self, seq: int, *, full: bool) -> pb.Heartbeat:

@@ -40,9 +40,10 @@ class AbortResult:
 class ServerHttp:
     """One server's HTTP client; `open` and `close` on the agent's event loop."""
 
-    def __init__(self, url: str, worker_id: str) -> None:
+    def __init__(self, url: str, worker_id: str, api_key: str = "") -> None:
         self.url = url
         self.worker_id = worker_id
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # its --api-key
         self._http: aiohttp.ClientSession | None = None
 
     @property
@@ -50,7 +51,9 @@ class ServerHttp:
         return self._http is not None
 
     def open(self) -> None:
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True), headers=self._headers
+        )
 
     async def close(self) -> None:
         if self._http is not None:

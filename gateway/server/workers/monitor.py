@@ -161,6 +161,7 @@ class LoadMonitor:
             engine=EngineKind.of(hello.engine),
             max_running_requests=hello.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
             held_batch=hello.held_batch,
+            api_key=hello.api_key,
             phase=phase,
             last_heartbeat=now,
             attached_at=now,

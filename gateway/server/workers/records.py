@@ -103,6 +103,9 @@ class WorkerRecord:
     # an SGLang server launched with room for the outage boost: the gateway holds it to this batch
     # outside a recovery (Hello.held_batch; 0: not held; gateway/server/workers/held.py)
     held_batch: int = 0
+    # an SGLang server's API key (Hello.api_key): the bearer of the gateway's requests to http_url
+    # (server_keys.py); "": none. Not shown anywhere
+    api_key: str = field(default="", repr=False)
     # seconds between this worker's heartbeats (None: the control plane's interval); an agentless
     # SGLang server's heartbeats are the gateway's own polls of its /v1/loads
     heartbeat_interval_s: float | None = None
