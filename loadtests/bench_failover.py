@@ -23,17 +23,18 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from gateway.protocol.secrets import admin_headers
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 
 
 async def _get(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as r:
+    async with http.get(url, headers=admin_headers(url)) as r:
         return await r.json()
 
 
 async def _post(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.post(url) as r:
+    async with http.post(url, headers=admin_headers(url)) as r:
         return await r.json()
 
 

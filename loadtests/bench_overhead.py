@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from gateway.protocol.secrets import admin_headers
 from loadtests.cluster_proc import ClusterProcess
 
 
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _admin_workers(url: str) -> Any:
-    async with aiohttp.ClientSession() as http, http.get(url + "/admin/workers") as r:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(url + "/admin/workers", headers=admin_headers(url + "/admin/workers")) as r,
+    ):
         return await r.json()
 
 

@@ -19,6 +19,7 @@ import aiohttp
 import numpy as np
 
 from gateway.protocol.generate import SamplingParams
+from gateway.protocol.secrets import admin_headers
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 from models.synthetic import expected_output
@@ -93,27 +94,42 @@ async def _drive(url: str, wl: Workload, kill_at: float, kill_mode: str, out: di
         if out.get("killed"):
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                ws = await (await http.get(f"{url}/admin/workers")).json()
+                ws = await (
+                    await http.get(f"{url}/admin/workers", headers=admin_headers(f"{url}/admin/workers"))
+                ).json()
                 if all(w["state"] == "HEALTHY" for w in ws):
                     break
                 await asyncio.sleep(0.2)
         progress.cancel()
         await asyncio.gather(progress, return_exceptions=True)
-        out["events"] = await (await http.get(f"{url}/admin/events")).json()
-        out["sessions"] = await (await http.get(f"{url}/admin/sessions")).json()
-        out["workers"] = await (await http.get(f"{url}/admin/workers")).json()
-        out["assist"] = await (await http.get(f"{url}/admin/assist")).json()
+        out["events"] = await (
+            await http.get(f"{url}/admin/events", headers=admin_headers(f"{url}/admin/events"))
+        ).json()
+        out["sessions"] = await (
+            await http.get(f"{url}/admin/sessions", headers=admin_headers(f"{url}/admin/sessions"))
+        ).json()
+        out["workers"] = await (
+            await http.get(f"{url}/admin/workers", headers=admin_headers(f"{url}/admin/workers"))
+        ).json()
+        out["assist"] = await (
+            await http.get(f"{url}/admin/assist", headers=admin_headers(f"{url}/admin/assist"))
+        ).json()
 
 
 async def _kill_busiest(
     http: aiohttp.ClientSession, url: str, t0: float, at: float, mode: str, out: dict[str, Any]
 ) -> None:
     await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
-    ws = await (await http.get(f"{url}/admin/workers")).json()
+    ws = await (await http.get(f"{url}/admin/workers", headers=admin_headers(f"{url}/admin/workers"))).json()
     busiest = max(
         (w for w in ws if w["state"] == "HEALTHY"), key=lambda w: (w["running"] + w["waiting"], w["id"])
     )
-    res = await (await http.post(f"{url}/admin/workers/{busiest['id']}/kill?mode={mode}")).json()
+    res = await (
+        await http.post(
+            f"{url}/admin/workers/{busiest['id']}/kill?mode={mode}",
+            headers=admin_headers(f"{url}/admin/workers/{busiest['id']}/kill?mode={mode}"),
+        )
+    ).json()
     out["killed"] = {**res, "running": busiest["running"], "waiting": busiest["waiting"]}
     _say(
         f"\n  !! {'kill -9' if mode == 'kill' else 'SIGSTOP'} {busiest['id']} (pid {res['pid']}) with "
@@ -129,8 +145,12 @@ async def _progress(
     while True:
         await asyncio.sleep(0.5)
         try:
-            ws = await (await http.get(f"{url}/admin/workers")).json()
-            events = await (await http.get(f"{url}/admin/events")).json()
+            ws = await (
+                await http.get(f"{url}/admin/workers", headers=admin_headers(f"{url}/admin/workers"))
+            ).json()
+            events = await (
+                await http.get(f"{url}/admin/events", headers=admin_headers(f"{url}/admin/events"))
+            ).json()
         except aiohttp.ClientError:
             continue
         for ev in events[seen_events:]:

@@ -41,6 +41,7 @@ import aiohttp
 import structlog
 
 from gateway.protocol.faults import SLOWDOWN_RANGE
+from gateway.protocol.secrets import admin_headers
 
 log = structlog.get_logger("lumen.faults")
 
@@ -278,7 +279,8 @@ class FaultRunner:
         self.schedule = schedule
         self.rng = random.Random(seed)
         self.t0 = t0
-        self.headers = dict(headers or {})
+        # the admin key: given, else the one the gateway at `url` generated (runtime directory)
+        self.headers = dict(headers) if headers is not None else admin_headers(url)
         self.fired: list[dict[str, Any]] = []
 
     def now(self) -> float:

@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from gateway.protocol.secrets import admin_headers
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 
@@ -59,7 +60,7 @@ def _commit() -> str:
 
 
 async def _get(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as r:
+    async with http.get(url, headers=admin_headers(url)) as r:
         return await r.json()
 
 
@@ -109,7 +110,10 @@ async def run(args: argparse.Namespace, cluster: ClusterProcess, report: dict[st
             info["open_streams_at_kill"] = sum(
                 r.arrival > 0 and r.finish_reason is None and r.error is None for r in results
             )
-            async with http.post(f"{cluster.url}/admin/workers/{victim}/kill") as resp:
+            async with http.post(
+                f"{cluster.url}/admin/workers/{victim}/kill",
+                headers=admin_headers(f"{cluster.url}/admin/workers/{victim}/kill"),
+            ) as resp:
                 info["kill"] = {"victim": victim, "status": resp.status, "reply": await resp.json()}
             print(f"killed {victim} at {info['kill_wall_s']:.1f} s: {info['kill']}", file=sys.stderr)
 

@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
 
 import aiohttp  # noqa: E402
 
+from gateway.protocol.secrets import admin_headers  # noqa: E402
 from loadtests.cluster_proc import ClusterProcess  # noqa: E402
 
 DEFAULT_JSON = ROOT / "docs" / "img" / "detect_bench.json"
@@ -128,7 +129,7 @@ class Burners:
 
 
 async def get(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as resp:
+    async with http.get(url, headers=admin_headers(url)) as resp:
         resp.raise_for_status()
         return await resp.json()
 

@@ -11,17 +11,25 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.protocol.secrets import SecretError
 
-def admin_key(env: Mapping[str, str]) -> str | None:
+
+def admin_key(env: Mapping[str, str], port: int | None = None) -> str | None:
     """The admin key `lumen cluster kill/status` present: the first of LUMEN_ADMIN_API_KEYS (the
-    variable the gateway reads its admin keys from), else LUMEN_ADMIN_API_KEY."""
-    keys = [k.strip() for k in env.get("LUMEN_ADMIN_API_KEYS", "").split(",") if k.strip()]
-    return keys[0] if keys else env.get("LUMEN_ADMIN_API_KEY") or None
+    variable the gateway reads its admin keys from), else LUMEN_ADMIN_API_KEY, else the key a gateway
+    on `port` generated (`admin-key-<port>` in the per-user runtime directory, mode 0600)."""
+    from gateway.protocol.secrets import admin_key_for
+
+    return admin_key_for(port, env)
 
 
 def _admin(port: int, method: str, path: str) -> Any:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
-    key = admin_key(os.environ)
+    try:
+        key = admin_key(os.environ, port)
+    except SecretError as exc:
+        print(f"lumen: {exc}", file=sys.stderr)
+        raise SystemExit(1) from exc
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:

@@ -15,26 +15,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
 
 from gateway.cluster.procs import stop_processes
 from gateway.config import Config
-from gateway.protocol.secrets import TOKEN_ENV
+from gateway.protocol.secrets import ADMIN_KEYS_ENV, TOKEN_ENV
+from gateway.server.control_secret import publish_admin_key
+from gateway.server.local_faults import LOCAL_FAULTS_ENV
 
 log = structlog.get_logger("lumen.fleet")
 
 GATEWAY_READY_TIMEOUT_S = 60.0
 RESTART_PAUSE_S = 0.2  # between a child's exit and its restart: no spinning on one that dies at once
+
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGTERM when this supervisor dies, however it dies
+    (PR_SET_PDEATHSIG; the gateway then stops as on any SIGTERM), and exit at once if the supervisor
+    is already gone. None off Linux."""
+    libc = _LIBC
+    if libc is None:
+        return None
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,8 +94,16 @@ class GatewayFleet:
         port: int,
         shared_port: bool,
         log_dir: Path,
+        admin_key: str = "",
+        launched: Path | None = None,
     ) -> None:
         self.config = config
+        # a generated admin key (the gateways get it in their environment and the owner's tools from
+        # the 0600 file `admin-key-<port>`, published once a gateway says its port); "": configured
+        self.admin_key = admin_key
+        self.admin_key_files: set[Path] = set()
+        # the registry of launched workers the gateways check a pid against (None: no signal faults)
+        self.launched = launched
         self.config_args = config_args
         self.shared_port = shared_port
         self.log_dir = log_dir
@@ -121,18 +155,34 @@ class GatewayFleet:
         return argv
 
     async def _spawn(self, g: GatewayProcess) -> None:
-        env = dict(
-            os.environ, PYTHONUNBUFFERED="1", LUMEN_LOCAL_FAULTS="1", LUMEN_PARENT_PID=str(os.getpid())
-        )
+        env = dict(os.environ, PYTHONUNBUFFERED="1", LUMEN_PARENT_PID=str(os.getpid()))
+        env.pop(LOCAL_FAULTS_ENV, None)
+        if self.launched is not None:  # signal faults: only with cluster.fault_injection
+            env[LOCAL_FAULTS_ENV] = str(self.launched)
         env[TOKEN_ENV] = self.config.gateway.control_token
+        if self.admin_key:
+            env[ADMIN_KEYS_ENV] = self.admin_key
         g.up.clear()
         with g.log_path.open("ab") as logf:
             g.proc = await asyncio.create_subprocess_exec(
                 *self._argv(g), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=logf,
-                env=env,
+                env=env, preexec_fn=die_with_parent(os.getpid()),
             )  # fmt: skip
         g.starts += 1
         log.info("gateway_started", index=g.index, pid=g.proc.pid, port=g.http_port, restart=g.starts > 1)
+
+    def _publish_admin_key(self, ready: dict[str, Any]) -> None:
+        """The generated admin key in `admin-key-<port>` of the port a gateway announced."""
+        port = urlsplit(str(ready.get("url", ""))).port
+        if self.admin_key and port:
+            path = publish_admin_key(self.admin_key, port)
+            self.admin_key_files.add(path)
+
+    def remove_files(self) -> None:
+        """Remove the admin key files published (every exit path of the supervisor that runs code)."""
+        for path in self.admin_key_files:
+            path.unlink(missing_ok=True)
+        self.admin_key_files.clear()
 
     async def _supervise(self, g: GatewayProcess) -> None:
         while g.proc is not None:
@@ -143,6 +193,7 @@ class GatewayFleet:
                     msg = json.loads(line)
                     if msg.get("event") == "ready":
                         g.ready = msg
+                        self._publish_admin_key(msg)
                         g.up.set()
             rc = await proc.wait()
             g.up.clear()

@@ -10,6 +10,7 @@ before, every gateway's in `urls` / `control_ports` / `gateway_pids`, and the fi
 from __future__ import annotations
 
 import asyncio
+import signal
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from gateway.config import Config
 from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import policy_for
 from gateway.server.api.tokenizer import make_tokenizer
-from gateway.server.control_secret import publish_token, with_control_token
+from gateway.server.control_secret import publish_token, with_admin_key, with_control_token
+from gateway.server.local_faults import LaunchRegistry
 from gateway.server.runner import announce, stop_event
 
 log = structlog.get_logger("lumen.runner")
@@ -51,7 +53,13 @@ async def run_fleet(
     stop = stop_event()
     logs = log_dir or Path(tempfile.mkdtemp(prefix="lumen-cluster-"))
     logs.mkdir(parents=True, exist_ok=True)
+    # a hangup ends the cluster as SIGINT/SIGTERM do: every exit path that runs code cleans up
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, stop.set)
     config, _ = with_control_token(config)  # one token for every gateway (a generated one if none)
+    # one admin key for every gateway: the configured ones, else one generated here (never open)
+    config, admin_generated = with_admin_key(config)
+    # signal faults only on a cluster started for testing, and only to what this supervisor launched
+    launched = LaunchRegistry.create() if config.cluster.fault_injection else None
     fleet = GatewayFleet(
         config,
         config_args,
@@ -59,6 +67,8 @@ async def run_fleet(
         port=config.gateway.port,
         shared_port=shared_port,
         log_dir=logs,
+        admin_key=config.gateway.admin_api_keys[0] if admin_generated else "",
+        launched=None if launched is None else launched.path,
     )
     token_file = publish_token(config.gateway, fleet.gateways[0].control_port)
     cluster: LocalCluster | SGLangCluster | None = None
@@ -77,10 +87,14 @@ async def run_fleet(
                 log_dir=logs,
                 restart_killed=config.cluster.restart_killed,
                 hung_restart_grace_s=config.cluster.hung_restart_grace_s,
+                launched=launched,
             )
             cluster, n = local, len(specs)
             await local.start()
-            watcher = asyncio.create_task(local.follow_gateways(fleet.urls(), stop), name="hung-workers")
+            watcher = asyncio.create_task(
+                local.follow_gateways(fleet.urls(), stop, admin_key=config.gateway.admin_api_keys[0]),
+                name="hung-workers",
+            )
         else:
             agents = agent_specs(
                 sglang,
@@ -102,6 +116,7 @@ async def run_fleet(
                     control_token=config.gateway.control_token,
                     control_ca=config.gateway.control_tls_cert,
                     restart_agents=config.cluster.restart_killed,
+                    launched=launched,
                 ),
                 len(agents),
             )
@@ -135,7 +150,12 @@ async def run_fleet(
         if watcher is not None:
             watcher.cancel()
         log.info("cluster_stopping")
-        await fleet.stop(config.timeouts.shutdown_grace_s)
-        if cluster is not None:
-            await cluster.stop(config.timeouts.shutdown_grace_s)
-        token_file.unlink(missing_ok=True)
+        try:
+            await fleet.stop(config.timeouts.shutdown_grace_s)
+            if cluster is not None:
+                await cluster.stop(config.timeouts.shutdown_grace_s)
+        finally:  # the secrets' files go even when stopping fails or is cancelled
+            token_file.unlink(missing_ok=True)
+            fleet.remove_files()
+            if launched is not None:
+                launched.remove()

@@ -13,7 +13,6 @@ signal. The gateway process never imports sglang or worker_hooks: both run in ch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ from gateway.protocol.faults import FAULT_SIGNALS, SERVER_SIGNAL_MODES
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE
 from gateway.protocol.launch import GATEWAY_SECRETS_ENV
 from gateway.server.api.errors import InvalidRequest, NotFound
+from gateway.server.local_faults import LaunchRegistry, signal_launched, start_time
 
 log = structlog.get_logger("lumen.cluster")
 
@@ -243,8 +243,11 @@ class SGLangCluster:
         control_token: str = "",
         control_ca: str = "",
         restart_agents: bool = True,
+        launched: LaunchRegistry | None = None,
     ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
+        # the agents this supervisor launched: a gateway signals only their servers (local_faults.py)
+        self.launched = launched
         self.log_dir = log_dir
         self.control_token = control_token
         self.control_ca = control_ca
@@ -267,8 +270,7 @@ class SGLangCluster:
         await asyncio.gather(*tasks, return_exceptions=True)
         for ap in self.agents.values():  # a hung (SIGSTOPped) server cannot act on its agent's SIGTERM
             if ap.server_pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(ap.server_pid, signal.SIGCONT)
+                _signal_server(ap, ap.server_pid, signal.SIGCONT)
         agents = [ap.proc for ap in self.agents.values() if ap.proc is not None]
         await stop_processes(agents, grace_s + AGENT_STOP_SLACK_S)
         readers = [ap.reader for ap in self.agents.values() if ap.reader is not None]
@@ -288,8 +290,8 @@ class SGLangCluster:
         pid = ap.server_pid
         if pid is None:
             raise NotFound(f"worker {worker_id!r} runs no server right now")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+        if not _signal_server(ap, pid, sig):
+            raise NotFound(f"worker {worker_id!r}'s server (pid {pid}) is not its agent's child any more")
         log.warning("fault_injected", worker=worker_id, pid=pid, mode=mode, target="sglang server")
         return {"worker": worker_id, "pid": pid, "mode": mode, "t": time.time()}
 
@@ -316,6 +318,8 @@ class SGLangCluster:
             )
         ap.starts += 1
         ap.server_pid = None
+        if self.launched is not None:
+            self.launched.add(ap.spec.worker_id, ap.proc.pid)
         ap.reader = asyncio.create_task(self._read_events(ap, ap.proc), name=f"events-{ap.spec.worker_id}")
         log.info(
             "sglang_agent_started",
@@ -355,3 +359,13 @@ class SGLangCluster:
                 return
             await asyncio.sleep(0.5)  # do not spin if it dies at once
             await self._spawn(ap)
+
+
+def _signal_server(ap: AgentProcess, pid: int, sig: int) -> bool:
+    """Signal the server pid an agent printed, only while it descends from that agent (our child,
+    checked with its start time: local_faults.signal_launched); False when it does not."""
+    agent = ap.proc
+    if agent is None or agent.returncode is not None:
+        return False
+    t = start_time(agent.pid)
+    return t is not None and signal_launched(pid, {(agent.pid, t)}, sig)

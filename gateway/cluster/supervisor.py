@@ -36,6 +36,7 @@ from gateway.core.health import WorkerState
 from gateway.protocol.faults import FAULT_SIGNALS
 from gateway.protocol.launch import EngineSpec, worker_env
 from gateway.server.api.errors import NotFound
+from gateway.server.local_faults import LaunchRegistry
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
 
 log = structlog.get_logger("lumen.cluster")
@@ -125,9 +126,12 @@ class LocalCluster:
         log_dir: Path,
         restart_killed: bool = True,
         hung_restart_grace_s: float = 0.0,
+        launched: LaunchRegistry | None = None,
     ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
+        # what this supervisor launched, for gateways in other processes to check a pid against
+        self.launched = launched
         self.restart_killed = restart_killed
         self.hung_restart_grace_s = hung_restart_grace_s  # 0: hung workers are left alone
         self.workers = {s.worker_id: WorkerProcess(s, log_dir / f"{s.worker_id}.log") for s in specs}
@@ -277,6 +281,8 @@ class LocalCluster:
             )
         wp.starts += 1
         wp.hung = False
+        if self.launched is not None:
+            self.launched.add(spec.worker_id, wp.proc.pid)
         log.info(
             "worker_started", worker=spec.worker_id, pid=wp.proc.pid, restart=restart, log=str(wp.log_path)
         )

@@ -150,16 +150,16 @@ class AdminAPI:
         require_admin(request, self.gw.config.gateway.admin_api_keys)
         wid = request.match_info["id"]
         mode = request.query.get("mode", "kill")
-        if self.gw.fault_injector is None:
-            raise NotFound("fault injection is only available on a local cluster (`lumen cluster up`)")
         if mode not in FAULT_MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(FAULT_MODES)}, not {mode!r}", param="mode")
+        if not self.gw.config.cluster.fault_injection:  # signals and slowdowns alike: test clusters only
+            raise InvalidRequest(
+                f"mode={mode} needs a cluster started for testing: set cluster.fault_injection = true",
+                param="mode",
+            )
+        if self.gw.fault_injector is None:
+            raise NotFound("fault injection is only available on a local cluster (`lumen cluster up`)")
         if mode in SPEED_MODES:
-            if not self.gw.config.cluster.fault_injection:
-                raise InvalidRequest(
-                    f"mode={mode} needs workers started for testing: set cluster.fault_injection = true",
-                    param="mode",
-                )
             factor = _slowdown_factor(request.query.get("factor")) if mode == "slow" else 1.0
             result = await self._set_slowdown(wid, mode, factor)
         else:

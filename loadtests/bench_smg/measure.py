@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from gateway.protocol.secrets import TOKEN_ENV, generate_token, worker_http_bearer
+from gateway.protocol.secrets import TOKEN_ENV, admin_headers, generate_token, worker_http_bearer
 from loadtests.bench_smg.drive import Sample, Target, cpu_seconds, drive, workload
 from loadtests.bench_smg.report import sustained
 from loadtests.bench_smg.smg_process import Smg, probe, smg_binary
@@ -144,7 +144,9 @@ async def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
         first = clusters[counts[0]]
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as http:
-            async with http.get(first.url + "/admin/workers") as r:
+            async with http.get(
+                first.url + "/admin/workers", headers=admin_headers(first.url + "/admin/workers")
+            ) as r:
                 workers = await r.json()
             worker_urls = [w["url"] for w in workers]
             async with http.get(first.url + "/v1/models") as r:

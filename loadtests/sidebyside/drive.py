@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 
 from gateway.core import evaluation as ev
+from gateway.protocol.secrets import admin_headers
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 from loadtests.faults import FaultRunner, FaultSchedule
@@ -62,7 +63,11 @@ async def poll_workers(
     next_at = time.monotonic()
     while True:
         try:
-            async with http.get(f"{url}/admin/workers", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with http.get(
+                f"{url}/admin/workers",
+                headers=admin_headers(f"{url}/admin/workers"),
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
                 ws = await resp.json()
             samples.append(
                 {
@@ -141,11 +146,15 @@ async def _drive(
         info["sessions"] = {"interrupted": []}
         for u in urls:
             try:
-                async with http.get(f"{u}/admin/sessions", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                async with http.get(
+                    f"{u}/admin/sessions",
+                    headers=admin_headers(f"{u}/admin/sessions"),
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as resp:
                     info["sessions"]["interrupted"] += (await resp.json())["interrupted"]
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
                 sys.stderr.write(f"  (no sessions from {u})\n")
-        async with http.get(f"{url}/admin/workers") as resp:
+        async with http.get(f"{url}/admin/workers", headers=admin_headers(f"{url}/admin/workers")) as resp:
             info["workers"] = await resp.json()
         info["resumed_streams"] = sum(r.resumes for r in results)
     return info

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.protocol.secrets import admin_headers
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import ClusterProcess
 from loadtests.demo import expected_text
@@ -100,7 +101,8 @@ def _all_healthy(c: ClusterProcess, within_s: float = 30.0) -> bool:
     deadline = time.monotonic() + within_s
     while c.proc is not None and c.proc.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(c.url + "/admin/workers", timeout=5) as resp:
+            req = urllib.request.Request(c.url + "/admin/workers", headers=admin_headers(c.url))
+            with urllib.request.urlopen(req, timeout=5) as resp:
                 ws = json.loads(resp.read())
             if len(ws) == SHARED_WORKERS and all(w["state"] == "HEALTHY" for w in ws):
                 return True
@@ -140,7 +142,10 @@ async def run_requests(url: str, reqs: list[RequestResult]) -> list[RequestResul
 
 
 async def admin(url: str, method: str, path: str) -> Any:
-    async with aiohttp.ClientSession() as http, http.request(method, url + path) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.request(method, url + path, headers=admin_headers(url)) as resp,
+    ):
         assert resp.status == 200, await resp.text()
         return await resp.json()
 

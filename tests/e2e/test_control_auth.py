@@ -17,7 +17,7 @@ import pytest
 
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol import control_pb2_grpc as pb_grpc
-from gateway.protocol.secrets import default_token_path, read_token_file, worker_http_bearer
+from gateway.protocol.secrets import admin_headers, default_token_path, read_token_file, worker_http_bearer
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
 from loadtests.cluster_proc import ClusterProcess
 
@@ -37,7 +37,10 @@ async def attach_once(address: str, hello: pb.Hello) -> pb.GatewayMessage:
 
 
 async def workers(url: str) -> list[dict[str, Any]]:
-    async with aiohttp.ClientSession() as http, http.get(url + "/admin/workers") as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(url + "/admin/workers", headers=admin_headers(url)) as resp,
+    ):
         assert resp.status == 200
         return list(await resp.json())
 

@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from gateway.protocol.secrets import default_token_path, read_token_file, worker_http_bearer
+from gateway.protocol.secrets import admin_headers, default_token_path, read_token_file, worker_http_bearer
 from loadtests.client import RequestResult
 from loadtests.faults import FaultRunner, FaultSchedule, resolve_group
 from tests.e2e.conftest import admin, assert_exact, make_requests, run_requests, wait_for
@@ -81,11 +81,15 @@ async def test_slow_fault_slows_the_token_rate_and_normal_restores_it(cluster_fa
 
     async with aiohttp.ClientSession() as http:
         for query in ("mode=slow", "mode=slow&factor=0.5", "mode=slow&factor=fast", "mode=slow&factor=nan"):
-            async with http.post(f"{c.url}/admin/workers/w0/kill?{query}") as resp:
+            async with http.post(
+                f"{c.url}/admin/workers/w0/kill?{query}", headers=admin_headers(c.url)
+            ) as resp:
                 assert resp.status == 400, query
                 err = (await resp.json())["error"]
                 assert err["type"] == "invalid_request_error" and err["param"] == "factor", err
-        async with http.post(f"{c.url}/admin/workers/w9/kill?mode=slow&factor=2") as resp:
+        async with http.post(
+            f"{c.url}/admin/workers/w9/kill?mode=slow&factor=2", headers=admin_headers(c.url)
+        ) as resp:
             assert resp.status == 404
         # the worker's own endpoint takes the cluster's bearer only (derived from the token the gateway
         # generated and published, 0600, for its control port)

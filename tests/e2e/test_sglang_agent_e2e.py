@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.protocol.secrets import admin_headers
 from gateway.protocol.sglang import sglang_seed
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import free_port
@@ -49,6 +50,9 @@ E2E_SETTINGS = [
     # a stopping gateway cancels the agents' control streams after 0.05 s, not 0.5 s (the teardown)
     "--set",
     "timeouts.control_stop_grace_s=0.05",
+    # a test cluster: /admin/workers/{id}/kill signals its servers (issue 29: test clusters only)
+    "--set",
+    "cluster.fault_injection=true",
 ]
 
 
@@ -161,7 +165,7 @@ async def sglang_cluster(tmp_path: Path, workers: int, *extra: str) -> AsyncIter
 
 
 async def admin(http: aiohttp.ClientSession, url: str, method: str, path: str) -> Any:
-    async with http.request(method, url + path) as resp:
+    async with http.request(method, url + path, headers=admin_headers(url)) as resp:
         assert resp.status == 200, await resp.text()
         return await resp.json()
 
@@ -332,7 +336,9 @@ async def test_a_server_killed_by_the_cluster_is_failed_within_100_ms_on_the_gat
         assert failed["reason"] in ("control stream ended", "replaced by a new incarnation")
         assert 0 <= latency < 0.1
         # a fault that means nothing to an SGLang server is refused, not sent as a signal
-        async with http.post(url + f"/admin/workers/{before['id']}/kill?mode=stall") as resp:
+        async with http.post(
+            url + f"/admin/workers/{before['id']}/kill?mode=stall", headers=admin_headers(url)
+        ) as resp:
             assert resp.status == 400, await resp.text()
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.protocol.secrets import admin_headers
 from gateway.protocol.sglang import sglang_seed
 from loadtests.client import RequestResult, stream_completion
 from tests.fixtures.sglang_standin import expected_ids
@@ -88,7 +89,7 @@ def expected_text(r: RequestResult) -> str:
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as resp:
+    async with http.get(url, headers=admin_headers(url)) as resp:
         return await resp.json()
 
 

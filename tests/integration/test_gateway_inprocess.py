@@ -171,16 +171,19 @@ async def test_validation_errors_through_the_full_gateway(body: Any, status: int
 
 
 async def test_health_admin_metrics() -> None:
-    async with cluster(2) as (_gw, ws, http):
+    async with cluster(2) as (gw, ws, http):
         async with http.get("/health") as r:
             assert (await r.json())["healthy_workers"] == 2
         async with http.get("/admin/workers") as r:
+            assert r.status == 401  # the admin API always needs its key (a generated one here)
+        admin = {"Authorization": f"Bearer {gw.config.gateway.admin_api_keys[0]}"}
+        async with http.get("/admin/workers", headers=admin) as r:
             listed = await r.json()
         assert [(w["id"], w["state"], w["incarnation"]) for w in listed] == [
             (w.worker_id, "HEALTHY", w.incarnation) for w in ws
         ]
-        async with http.post("/admin/workers/w0/kill") as r:
-            assert r.status == 404  # no fault injector outside a local cluster
+        async with http.post("/admin/workers/w0/kill", headers=admin) as r:
+            assert r.status == 400  # no fault injection outside a test cluster
         async with http.get("/metrics") as r:
             text = await r.text()
         assert 'lumen_workers{state="HEALTHY"} 2.0' in text

@@ -69,7 +69,9 @@ async def test_workers_show_their_determinism_and_sampled_requests_say_the_repla
     with numerics(monkeypatch, **CPU):
         async with sglang_cluster(n=2) as (gw, _servers, http):
             await judged(gw, 2)
-            async with http.get("/admin/workers") as resp:
+            async with http.get(
+                "/admin/workers", headers={"Authorization": f"Bearer {gw.config.gateway.admin_api_keys[0]}"}
+            ) as resp:
                 workers = await resp.json()
             for w in workers:
                 d = w["determinism"]

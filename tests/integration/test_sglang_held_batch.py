@@ -96,7 +96,9 @@ async def test_the_survivor_takes_the_boost_only_in_lumens_modes_and_every_strea
                 await asyncio.sleep(0.01)
         assert all(len(s.engine.running) == HELD and not s.engine.waiting for s in servers)
         assert [r.batch_limit for r in recs] == [ROOM, ROOM]  # what each server admits, from heartbeats
-        async with http.get("/admin/workers") as resp:  # what an SRE sees of the hold
+        async with http.get(
+            "/admin/workers", headers={"Authorization": f"Bearer {gw.config.gateway.admin_api_keys[0]}"}
+        ) as resp:  # what an SRE sees of the hold
             shown = {w["id"]: w for w in await resp.json()}
         assert [shown[f"s{i}"]["batch_limit"] for i in range(2)] == [HELD, HELD]
         assert sum(shown[f"s{i}"]["held_waiting"] for i in range(2)) == 2

@@ -264,7 +264,9 @@ async def test_a_real_servers_determinism_is_read_and_a_seeded_request_says_so(
         async with asyncio.timeout(30):
             while any("/server_info" in w.determinism.note for w in gw.monitor.workers.values()):
                 await asyncio.sleep(0.05)
-        async with http.get("/admin/workers") as resp:
+        async with http.get(
+            "/admin/workers", headers={"Authorization": f"Bearer {gw.config.gateway.admin_api_keys[0]}"}
+        ) as resp:
             workers = await resp.json()
         notes = {w["id"]: w["determinism"] for w in workers}
         report("determinism", workers=notes)

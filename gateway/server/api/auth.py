@@ -1,5 +1,8 @@
 """Bearer API keys for the client API and the admin API (separate key sets).
 
+The admin API always needs its key (there is no open or loopback-only mode: any local user can reach
+loopback); a gateway configured with none generates one (gateway/server/control_secret.py).
+
 Keys are compared in constant time over SHA-256 digests, so neither a key's content nor its length
 leaks through timing, and every configured key is compared on every request. A matched key is known
 downstream (logs, metrics labels) only by `key_id`, never by its value.
@@ -9,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 from collections.abc import Sequence
 
 from aiohttp import hdrs, web
 
-from gateway.server.api.errors import Forbidden, Unauthorized
+from gateway.server.api.errors import Unauthorized
 
 
 def key_id(key: str) -> str:
@@ -56,20 +58,15 @@ def check_bearer(request: web.Request, keys: Sequence[str]) -> str | None:
     return found
 
 
-def is_loopback(request: web.Request) -> bool:
-    try:
-        return ipaddress.ip_address(request.remote or "").is_loopback
-    except ValueError:
-        return False
+def require_admin(request: web.Request, admin_keys: Sequence[str]) -> str:
+    """Admin access: a valid admin key, from any address, loopback included (another local user is
+    not the operator). The gateway always has one (a generated key when none is configured,
+    gateway/server/control_secret.py); with none at all, every admin request is refused.
 
-
-def require_admin(request: web.Request, admin_keys: Sequence[str]) -> str | None:
-    """Admin access: a valid admin key when admin keys are configured; otherwise loopback clients only.
-
-    Returns the matched key_id (None when open on loopback); raises Unauthorized (401) or Forbidden (403).
+    Returns the matched key_id; raises Unauthorized (401).
     """
-    if admin_keys:
-        return check_bearer(request, admin_keys)
-    if not is_loopback(request):
-        raise Forbidden("the admin API accepts only loopback clients when no admin keys are configured")
-    return None
+    if not admin_keys:
+        raise Unauthorized("the admin API has no key configured")
+    found = check_bearer(request, admin_keys)
+    assert found is not None  # keys are configured: check_bearer matched one or raised
+    return found

@@ -21,11 +21,16 @@ from gateway.protocol import control_pb2 as pb
 from gateway.protocol import control_pb2_grpc as pb_grpc
 from gateway.protocol.planes import CurveKeypair, Member, is_key, members_message
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
+from gateway.server.logbound import LogThrottle, clip
 from gateway.server.workers.monitor import AttachRefused, LoadMonitor, StateEvent, WorkerRecord
 
 log = structlog.get_logger("lumen.control")
 
 FENCE_NOTICE_TIMEOUT_S = 0.5  # a fenced worker may be hung: do not wait on its stream for long
+# refused Hellos logged: a burst of this many, then this many a second (the others counted)
+REFUSAL_LOG_BURST = 10
+REFUSAL_LOGS_PER_S = 1.0
+MAX_REASON_CHARS = 512  # a refusal's reason, in the log and in the Refuse sent back
 
 
 class ControlService(pb_grpc.ControlServicer):
@@ -46,6 +51,8 @@ class ControlService(pb_grpc.ControlServicer):
         # when not); None: the gateway leaves the choice to the worker
         self.draft_first: Callable[[str], bool] | None = None
         self.members_seq = 0
+        # refusals of unauthenticated Hellos: a few lines a second, the rest counted (logbound.py)
+        self._refusal_log = LogThrottle(per_s=REFUSAL_LOGS_PER_S, burst=REFUSAL_LOG_BURST)
         monitor.on_state_change.append(self._on_state_change)
 
     def send(self, worker_id: str, msg: pb.GatewayMessage) -> bool:
@@ -76,9 +83,17 @@ class ControlService(pb_grpc.ControlServicer):
                 rec.plane_key = hello.plane_key
                 self.broadcast_members()  # the others learn its key before anyone sends it work
         if refusal is not None:
-            log.warning(
-                "attach_refused", worker=hello.worker_id, incarnation=hello.incarnation, reason=refusal
-            )
+            # the peer is not authenticated: its fields are clipped, the lines rate-limited (logbound.py)
+            refusal = str(clip(refusal, MAX_REASON_CHARS))
+            suppressed = self._refusal_log.allow()
+            if suppressed is not None:
+                log.warning(
+                    "attach_refused",
+                    worker=clip(hello.worker_id),
+                    incarnation=hello.incarnation,
+                    reason=refusal,
+                    suppressed_before=suppressed,
+                )
             await context.write(
                 pb.GatewayMessage(incarnation=hello.incarnation, refuse=pb.Refuse(reason=refusal))
             )
