@@ -31,7 +31,13 @@ from gateway.server.api.middleware import error_middleware
 from gateway.server.api.routes import add_client_routes
 from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.checkpoints import CheckpointManager
-from gateway.server.control_secret import publish_token, tls_credentials, with_control_token
+from gateway.server.control_secret import (
+    publish_admin_key,
+    publish_token,
+    tls_credentials,
+    with_admin_key,
+    with_control_token,
+)
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
 from gateway.server.recovery.gates import assist_gate, boost_gate
@@ -55,6 +61,9 @@ class Gateway:
         # never an open control plane: no token configured -> one generated (written at start)
         config, self._generated_token = with_control_token(config)
         self._token_file: Path | None = None
+        # never an open admin API: no admin key configured -> one generated (written once serving)
+        config, self._generated_admin_key = with_admin_key(config)
+        self._admin_key_file: Path | None = None
         self.config = config
         self.fault_injector = fault_injector
         self.metrics = GatewayMetrics()
@@ -258,6 +267,8 @@ class Gateway:
         site = web.TCPSite(self._runner, g.host, g.port, reuse_port=g.reuse_port or None)
         await site.start()
         self.http_port = int(self._runner.addresses[0][1])
+        if self._generated_admin_key:
+            self._admin_key_file = publish_admin_key(g.admin_api_keys[0], self.http_port)
         log.info(
             "gateway_started",
             http=f"http://{g.host}:{self.http_port}",
@@ -299,6 +310,9 @@ class Gateway:
         if self._token_file is not None:
             self._token_file.unlink(missing_ok=True)
             self._token_file = None
+        if self._admin_key_file is not None:
+            self._admin_key_file.unlink(missing_ok=True)
+            self._admin_key_file = None
 
     def build_app(self) -> web.Application:
         if self.sessions is None:
