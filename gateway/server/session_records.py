@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.core.losses import Loss
 from gateway.protocol.generate import (
     EngineKind,
     GenerateChunk,
@@ -121,4 +122,4 @@ def chunk_logprobs(s: Session, chunk: GenerateChunk, worker_id: str) -> tuple[To
     try:
         return token_logprobs(chunk.meta_info, chunk.output_ids)
     except ValueError as exc:
-        raise WorkerLost(f"worker {worker_id} sent bad logprobs: {exc}", worker_error=True) from exc
+        raise WorkerLost(f"worker {worker_id} sent bad logprobs: {exc}", Loss.WORKER_ERROR) from exc

@@ -34,6 +34,7 @@ from gateway.core.determinism import UNKNOWN, nonexact_sides, seed_ignored_by
 from gateway.core.dispatch import DispatchParams
 from gateway.core.health import ALIVE_STATES
 from gateway.core.loadshape import LoadShape
+from gateway.core.losses import Loss
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
@@ -174,7 +175,7 @@ class SessionManager:
                     yield delta
                     if delta.finish_reason is not None:
                         return
-                raise WorkerLost("stream ended without a finish reason")
+                raise WorkerLost("stream ended without a finish reason", Loss.ENDED)
             except WorkerRefused as exc:
                 if exc.request_fault:  # the request's own fault: the client's 4xx, never a 502
                     self.metrics.worker_refusals.labels(status=str(exc.status), outcome="client_error").inc()
@@ -190,7 +191,7 @@ class SessionManager:
                     # our view lags): that one is gone, so fence it; the worker's new incarnation is
                     # welcome once it attaches. Nothing ran: the attempt does not count.
                     self.monitor.report_data_failure(
-                        worker.id, worker.incarnation, "answered 409 stale_epoch"
+                        worker.id, worker.incarnation, "answered 409 stale_epoch", Loss.FENCED
                     )
                     s.refused += 1
                 else:  # still loading (503), in trouble (5xx) or refusing on its own account (e.g. 403,
@@ -198,15 +199,17 @@ class SessionManager:
                     excluded.add(worker.id)
             except WorkerLost as exc:
                 lost_reason = exc.reason
-                if exc.incarnation_reset or exc.connection_broke:
+                if exc.kind.fails_incarnation:
                     # the incarnation is gone: fail it here too, so the next pick does not address it;
                     # a reset (another gateway fenced the worker), like a 409, costs no attempt
-                    self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
-                    s.refused += int(exc.incarnation_reset)
-                elif exc.reason.startswith("stall"):
-                    self.metrics.stalls.inc()
-                    excluded.add(worker.id)
-                elif exc.worker_error:  # alive, but it gave up on this request: not there again
+                    reset = exc.kind is Loss.RESET
+                    self.monitor.report_data_failure(
+                        worker.id, worker.incarnation, exc.reason, Loss.FENCED if reset else Loss.CONNECTION
+                    )
+                    s.refused += int(reset)
+                elif exc.kind.excludes_worker:  # alive, but stuck on or gave up on this request
+                    if exc.kind is Loss.STALLED:
+                        self.metrics.stalls.inc()
                     excluded.add(worker.id)
             note_interruption(s, worker, lost_reason, self.clock(), self.metrics, self.recovery.mode)
             if not self.policy.failover:
@@ -288,7 +291,7 @@ class SessionManager:
         except WorkerRefused as exc:  # 404: no longer there; 409: another incarnation
             self._resumed(s, "replay", at, f"adoption refused ({exc.status})")
         except WorkerLost as exc:
-            if exc.connection_broke:
+            if exc.kind is Loss.CONNECTION:
                 self.monitor.report_data_failure(worker.id, worker.incarnation, exc.reason)
             if not s.resumed_by:  # it died before answering: recompute
                 self._resumed(s, "replay", at, exc.reason)
@@ -386,9 +389,11 @@ class SessionManager:
         on_open: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """One attempt's chunks as deltas, with the worker watched (its failure interrupts the stream)."""
-        sub = self.monitor.watch(worker.id, worker.incarnation, stream.interrupt)
+        sub = self.monitor.watch(
+            worker.id, worker.incarnation, lambda why: stream.interrupt(why, worker.loss or Loss.FENCED)
+        )
         if sub is None:
-            raise WorkerLost(f"worker {worker.id} incarnation {worker.incarnation} is gone")
+            raise WorkerLost(f"worker {worker.id} incarnation {worker.incarnation} is gone", Loss.GONE)
         worker.inflight += 1
         prev_chunk_at: float | None = None
         source = Attempt(worker.id, wrid, worker.incarnation)
@@ -404,7 +409,7 @@ class SessionManager:
                     if fin is not None and fin.type == "abort":  # its ids were not sent: not emitted
                         raise WorkerLost(
                             f"worker aborted the request: {fin.message or ''}",
-                            incarnation_reset=fin.message == INCARNATION_RESET_ABORT,
+                            Loss.RESET if fin.message == INCARNATION_RESET_ABORT else Loss.ABORTED,
                         )
                     lps = chunk_logprobs(s, chunk, worker.id)
                     if ids:

@@ -32,6 +32,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from gateway.core.losses import Loss
 from gateway.core.speculation import AcceptanceEstimator, choose_k
 from gateway.protocol.draft import (
     DraftItem,
@@ -152,16 +153,16 @@ class AssistedStream:
         self._emitted = 0
         self._synced = 0  # context ids the drafter has
         self._done = False
-        self._interrupted: str | None = None
+        self._interrupted: WorkerLost | None = None
         self._inflight: asyncio.Task[SGLangVerifyResponse] | None = None
         self.drafted = 0
         self.accepted = 0
         # the target refused a verification call for its drafts (a 4xx): plain decoding from then on
         self.refused: WorkerRefused | None = None
 
-    def interrupt(self, reason: str) -> None:
+    def interrupt(self, reason: str, kind: Loss = Loss.FENCED) -> None:
         if self._interrupted is None:
-            self._interrupted = reason
+            self._interrupted = WorkerLost(reason, kind)
         if self._inflight is not None:
             self._inflight.cancel()
 
@@ -177,7 +178,7 @@ class AssistedStream:
         if self._done:
             return None
         if self._interrupted is not None:
-            raise WorkerLost(self._interrupted)
+            raise WorkerLost(self._interrupted.reason, self._interrupted.kind)
         k = (
             0
             if self.refused is not None
@@ -213,7 +214,7 @@ class AssistedStream:
         try:
             tokens, n_ok = verified_tokens(drafts, resp)
         except ValueError as exc:
-            raise WorkerLost(f"verification answer unusable: {exc}", worker_error=True) from exc
+            raise WorkerLost(f"verification answer unusable: {exc}", Loss.WORKER_ERROR) from exc
         self.drafted += len(drafts)
         self.accepted += n_ok
         self.estimator = self.estimator.update(n_ok, len(drafts))
@@ -249,7 +250,7 @@ class AssistedStream:
             return await self._inflight
         except asyncio.CancelledError:
             if self._interrupted is not None:
-                raise WorkerLost(self._interrupted) from None
+                raise WorkerLost(self._interrupted.reason, self._interrupted.kind) from None
             raise
         finally:
             self._inflight = None
@@ -266,13 +267,15 @@ class AssistedStream:
                 if resp.status != 200:
                     raise WorkerRefused(resp.status, raw.decode(errors="replace"))
         except TimeoutError as exc:
-            raise WorkerLost(f"stall: no verification answer for {self._timeout_s:.3g} s") from exc
+            raise WorkerLost(
+                f"stall: no verification answer for {self._timeout_s:.3g} s", Loss.STALLED
+            ) from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise WorkerLost(f"verification call broke: {exc!r}", connection_broke=True) from exc
+            raise WorkerLost(f"verification call broke: {exc!r}", Loss.CONNECTION) from exc
         try:
             return msgspec.json.decode(raw, type=SGLangVerifyResponse)
         except msgspec.DecodeError as exc:
-            raise WorkerLost(f"malformed verification answer: {exc}", worker_error=True) from exc
+            raise WorkerLost(f"malformed verification answer: {exc}", Loss.WORKER_ERROR) from exc
 
 
 class GatewayVerifier:

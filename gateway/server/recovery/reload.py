@@ -48,6 +48,7 @@ import structlog
 
 from gateway.core.costmodel import ReloadSource
 from gateway.core.health import ALIVE_STATES, WorkerState
+from gateway.core.losses import Loss
 from gateway.core.reload import choose_seed
 from gateway.core.types import LoadParams
 from gateway.protocol import control_pb2 as pb
@@ -268,7 +269,7 @@ class ReloadCoordinator:
                     "seed_stopped_generating", seed=rec.id, incarnation=rec.incarnation, restart=restart
                 )
                 # FAILED: its streams resume elsewhere, its claim ends (on_state_change), it is fenced
-                self.monitor.detach(rec, reason)
+                self.monitor.detach(rec, reason, Loss.HUNG)
                 return
         finally:
             if self._watches.get(rec.id) is asyncio.current_task():

@@ -24,6 +24,7 @@ from typing import TypeVar
 import aiohttp
 import msgspec
 
+from gateway.core.losses import Loss
 from gateway.protocol.generate import (
     GenerateChunk,
     StreamError,
@@ -38,25 +39,30 @@ _DRAIN_TIMEOUT_S = 2.0  # a finished stream's body must end within this to keep 
 
 
 class WorkerLost(Exception):
-    """The stream from a worker ended without finishing: the request must resume elsewhere."""
+    """The stream from a worker ended without finishing: the request must resume elsewhere. `kind`
+    (gateway/core/losses.py) says why and is what the session decides by; `reason` is the words,
+    for logs and the interruption record."""
 
-    def __init__(
-        self,
-        reason: str,
-        *,
-        connection_broke: bool = False,
-        worker_error: bool = False,
-        incarnation_reset: bool = False,
-    ) -> None:
+    def __init__(self, reason: str, kind: Loss) -> None:
         super().__init__(reason)
         self.reason = reason
-        # the TCP connection itself failed (as opposed to a stall or a fencing decision)
-        self.connection_broke = connection_broke
-        # the worker sent an error chunk: it is alive, but should not get this request again
-        self.worker_error = worker_error
-        # the worker dropped the request because it became a new incarnation (another gateway fenced
-        # it): the incarnation addressed is gone, the worker itself is about to attach again
-        self.incarnation_reset = incarnation_reset
+        self.kind = kind
+
+    @property
+    def connection_broke(self) -> bool:
+        """The TCP connection itself failed (as opposed to a stall or a fencing decision)."""
+        return self.kind is Loss.CONNECTION
+
+    @property
+    def worker_error(self) -> bool:
+        """The worker sent an error chunk: it is alive, but should not get this request again."""
+        return self.kind is Loss.WORKER_ERROR
+
+    @property
+    def incarnation_reset(self) -> bool:
+        """The worker dropped the request because it became a new incarnation (another gateway fenced
+        it): the incarnation addressed is gone, the worker itself is about to attach again."""
+        return self.kind is Loss.RESET
 
 
 # statuses by which a worker says the request itself is malformed or too large (SGLang: 400 for a
@@ -214,7 +220,7 @@ class WorkerStream:
         self._stall_timeout = stall_timeout_s
         self._resp: aiohttp.ClientResponse | None = None
         self._watch: _Watchdog | None = None
-        self._interrupted: str | None = None
+        self._interrupted: WorkerLost | None = None
         self._chunks = 0
         self._received = 0  # output ids received on this stream
         self._tail = b""  # bytes received after the last complete line
@@ -222,10 +228,11 @@ class WorkerStream:
         self._done = False  # `[DONE]` was read
         self._finished = False  # the request's last chunk (not an abort) was read
 
-    def interrupt(self, reason: str) -> None:
-        """Stop waiting on this stream now (its worker incarnation failed). Safe to call any time."""
+    def interrupt(self, reason: str, kind: Loss = Loss.FENCED) -> None:
+        """Stop waiting on this stream now (its worker incarnation failed, or is degraded: `kind`).
+        Safe to call any time."""
         if self._interrupted is None:
-            self._interrupted = reason
+            self._interrupted = WorkerLost(reason, kind)
         if self._watch is not None:
             self._watch.expire()  # not inside a wait: the next one checks `_interrupted` first
 
@@ -242,9 +249,9 @@ class WorkerStream:
             # (uvicorn drops idle ones after 5 s) looks the same as a dead server. The request moves
             # on; the worker is not failed for it (a dead one refuses the next connect, or its poll).
             # Seen: a healthy loaded real SGLang server failed this way (issue 27's real lane).
-            raise WorkerLost(f"connect/post failed: {exc!r}") from exc
+            raise WorkerLost(f"connect/post failed: {exc!r}", Loss.UNANSWERED) from exc
         except aiohttp.ClientError as exc:
-            raise WorkerLost(f"connect/post failed: {exc!r}", connection_broke=True) from exc
+            raise WorkerLost(f"connect/post failed: {exc!r}", Loss.CONNECTION) from exc
         if resp.status != 200:
             body = await resp.text()
             resp.release()
@@ -297,12 +304,12 @@ class WorkerStream:
                     due = watch.time() + timeout
                 data = await watch.wait(resp.content.readany(), due)
                 if not data:
-                    raise WorkerLost("stream ended without [DONE]", connection_broke=True)
+                    raise WorkerLost("stream ended without [DONE]", Loss.CONNECTION)
                 self._feed(data)
         except TimeoutError as exc:
             raise self._lost_after_timeout(f"no chunk for {timeout:.3g} s") from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise WorkerLost(f"stream broke: {exc!r}", connection_broke=True) from exc
+            raise WorkerLost(f"stream broke: {exc!r}", Loss.CONNECTION) from exc
 
     # -- internals ------------------------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
@@ -340,11 +347,11 @@ class WorkerStream:
                         # client's 4xx, as when the worker answers the status itself
                         body = msgspec.json.encode({"error": {"message": exc.message}}).decode()
                         raise WorkerRefused(status, body) from exc
-                    raise WorkerLost(str(exc), worker_error=True) from exc
+                    raise WorkerLost(str(exc), Loss.WORKER_ERROR) from exc
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     if got:
                         break
-                    raise WorkerLost(f"malformed chunk from worker: {exc}", worker_error=True) from exc
+                    raise WorkerLost(f"malformed chunk from worker: {exc}", Loss.WORKER_ERROR) from exc
                 fin = chunk.meta_info.finish_reason
                 if fin is not None and fin.type == "abort" and got:
                     break
@@ -362,12 +369,12 @@ class WorkerStream:
 
     def _check_interrupted(self) -> None:
         if self._interrupted is not None:
-            raise WorkerLost(self._interrupted)
+            raise WorkerLost(self._interrupted.reason, self._interrupted.kind)
 
     def _lost_after_timeout(self, what: str) -> WorkerLost:
         if self._interrupted is not None:
-            return WorkerLost(self._interrupted)
-        return WorkerLost(f"stall: {what}")
+            return WorkerLost(self._interrupted.reason, self._interrupted.kind)
+        return WorkerLost(f"stall: {what}", Loss.STALLED)  # the gateway's own timeout
 
 
 _draining: set[asyncio.Task[None]] = set()  # connections being read to their end, then pooled

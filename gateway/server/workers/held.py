@@ -28,6 +28,7 @@ import itertools
 from collections.abc import AsyncIterator
 
 from gateway.core.health import ALIVE_STATES
+from gateway.core.losses import Loss
 from gateway.core.outage import admission_limit
 from gateway.protocol.generate import EngineKind
 from gateway.server.workers.client import WorkerLost
@@ -56,7 +57,7 @@ class SlotGate:
     async def acquire(self, priority: int) -> None:
         """Take a slot, waiting for one in priority order; raises WorkerLost if the gate fails."""
         if self._failed is not None:
-            raise WorkerLost(self._failed)
+            raise WorkerLost(self._failed, Loss.GONE)
         if self.running < self.limit and not self._queue:
             self.running += 1
             return
@@ -88,7 +89,7 @@ class SlotGate:
         self._failed = reason
         for _p, _s, fut in self._queue:
             if not fut.done():
-                fut.set_exception(WorkerLost(reason))
+                fut.set_exception(WorkerLost(reason, Loss.GONE))
         self._queue.clear()
 
     def _wake(self) -> None:
@@ -123,7 +124,9 @@ class HeldBatches:
             return None
         held = self._gates.get(rec.id)
         if held is not None and rec.incarnation < held[0]:  # an attempt still holding a replaced record
-            raise WorkerLost(f"worker {rec.id} incarnation {rec.incarnation} was replaced by {held[0]}")
+            raise WorkerLost(
+                f"worker {rec.id} incarnation {rec.incarnation} was replaced by {held[0]}", Loss.GONE
+            )
         if held is None or held[0] != rec.incarnation:
             gate = SlotGate(self.limit(rec))
             old = held[1] if held is not None else self._retired.get(rec.id)

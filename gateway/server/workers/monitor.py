@@ -26,6 +26,7 @@ from gateway.core.detector import DetectorParams, HeartbeatDetector
 from gateway.core.determinism import UNKNOWN
 from gateway.core.gray import GrayParams, Observation, gray_verdicts, verdict_inputs
 from gateway.core.health import Phase, WorkerState
+from gateway.core.losses import Loss
 from gateway.core.polls import prime
 from gateway.core.types import ClusterView
 from gateway.protocol import control_pb2 as pb
@@ -136,7 +137,7 @@ class LoadMonitor:
                 )
             if old.state in health.ALIVE_STATES:
                 # the old incarnation is gone even if we had not noticed: fence it first
-                self._fail(old, "replaced by a new incarnation")
+                self._fail(old, "replaced by a new incarnation", Loss.FENCED)
         phase = phase_of(hello.phase)
         if old is None:
             state = WorkerState.RESTARTING if expired else WorkerState.JOINING
@@ -222,23 +223,27 @@ class LoadMonitor:
             self._set(rec, WorkerState.HEALTHY, f"heartbeat resumed after {1000 * gap:.0f} ms")
         self._apply_phase(rec, rec.phase, note)
 
-    def detach(self, rec: WorkerRecord, reason: str) -> None:
-        """The control stream of `rec` ended: the incarnation is failed at once."""
+    def detach(self, rec: WorkerRecord, reason: str, kind: Loss = Loss.KILLED) -> None:
+        """The control stream of `rec` ended (or the gateway ends it: `kind`): the incarnation is
+        failed at once."""
         if self.workers.get(rec.id) is rec and rec.state in health.ALIVE_STATES:
-            self._fail(rec, reason)
+            self._fail(rec, reason, kind)
 
-    def report_data_failure(self, worker_id: str, incarnation: int, reason: str) -> None:
-        """A session's data connection to the worker broke: fail that incarnation at once."""
+    def report_data_failure(
+        self, worker_id: str, incarnation: int, reason: str, kind: Loss = Loss.CONNECTION
+    ) -> None:
+        """A session's data connection to the worker broke (or the worker answered as another
+        incarnation: `kind`): fail that incarnation at once."""
         rec = self.workers.get(worker_id)
         if rec is not None and rec.incarnation == incarnation and rec.state in health.ALIVE_STATES:
-            self._fail(rec, f"data connection: {reason}")
+            self._fail(rec, f"data connection: {reason}", kind)
 
     def remove(self, worker_id: str) -> None:
         rec = self.workers.get(worker_id)
         if rec is None:
             return
         if rec.state in health.ALIVE_STATES:
-            self._fail(rec, "removed")
+            self._fail(rec, "removed", Loss.FENCED)
         self._set(rec, WorkerState.REMOVED, "removed")
 
     # -- failure detection by silence -----------------------------------------------------------
@@ -252,7 +257,7 @@ class LoadMonitor:
                 continue  # changed by a listener of an earlier verdict
             if v.state is WorkerState.FAILED:
                 rec.failed_by_silence = True
-                self._fail(rec, v.why)
+                self._fail(rec, v.why, Loss.HUNG)
                 continue
             if v.state is not rec.state:
                 self._set(rec, v.state, v.why)
@@ -326,6 +331,7 @@ class LoadMonitor:
             if not migrate:
                 continue
             # its streams end here and resume elsewhere through recovery dispatch
+            rec.loss = Loss.DEGRADED
             self._notify_watchers(rec, f"degraded: worker {wid} is serving far slower than its peers")
         for wid in sorted(verdict.restore):
             rec = self.workers[wid]
@@ -336,7 +342,8 @@ class LoadMonitor:
             rec.token_seconds = rec.token_count = 0.0
 
     def watch(self, worker_id: str, incarnation: int, callback: FailureCallback) -> int | None:
-        """Call `callback(reason)` when this incarnation fails. None if it is already gone."""
+        """Call `callback(reason)` when this incarnation fails (or its streams move: DEGRADED); the
+        record's `loss` says which kind. None if it is already gone."""
         rec = self.workers.get(worker_id)
         if rec is None or rec.incarnation != incarnation or rec.state not in health.ALIVE_STATES:
             return None
@@ -369,10 +376,11 @@ class LoadMonitor:
         elif note:
             self._record(rec, rec.state, rec.state, note)
 
-    def _fail(self, rec: WorkerRecord, reason: str) -> None:
+    def _fail(self, rec: WorkerRecord, reason: str, kind: Loss) -> None:
         if self.fences is not None:  # durable before anything acts on the failure
             self.fences.record(rec.id, rec.incarnation)
         rec.failed_at = self.clock()
+        rec.loss = kind
         self._set(rec, WorkerState.FAILED, reason)
         # what a dead incarnation last reported is void (it showed as a stale running count)
         rec.running = rec.waiting = 0

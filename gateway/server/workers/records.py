@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from gateway.core.detector import HeartbeatDetector, Thresholds
 from gateway.core.determinism import LUMEN_WORKER, Determinism
 from gateway.core.health import Phase, WorkerState
+from gateway.core.losses import Loss
 from gateway.core.types import WorkerView
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
@@ -138,6 +139,8 @@ class WorkerRecord:
     attached_at: float = 0.0
     failed_at: float | None = None
     failed_by_silence: bool = False  # FAILED by the detector (not a broken stream): maybe hung
+    # why its streams were last interrupted (its failure's kind, or DEGRADED): what they raise
+    loss: Loss | None = None
     # when it became FAILED or REMOVED (the record expires `record_retention_s` later)
     ended_at: float | None = None
     # failure detection by silence (core/detector.py): this worker's heartbeat history and the probe
