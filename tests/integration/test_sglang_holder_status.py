@@ -20,6 +20,7 @@ import zmq
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol import holder_status as hs
 from gateway.protocol.planes import Member, MemberTable, PlaneAuth
+from gateway.protocol.secrets import runtime_dir
 from tests.integration.test_sglang_agent import gateway, heartbeat, sidecar, standin
 from worker_hooks.kv.payload import page_bytes
 from worker_hooks.sglang.agent_config import SidecarConfig
@@ -129,7 +130,7 @@ def test_the_status_socket_answers_durable_tokens_per_request_over_zmq(
 
 
 def test_an_ipc_status_socket_is_for_its_owner_only(tmp_path: Path) -> None:
-    """The default status socket is an ipc:// file in /tmp: only its owner (the agent runs as the
+    """The default status socket is an ipc:// file in the runtime directory: only its owner (the agent runs as the
     server's user) may connect; it answers as over tcp."""
     path = tmp_path / "status.sock"
     holder = PageStore(
@@ -153,7 +154,8 @@ def test_the_status_endpoint_is_derived_per_rank_as_the_agent_derives_it() -> No
         worker_id="s", holder_endpoint="tcp://10.0.0.1:5600", holder_budget_bytes=1 << 30
     )
     base = status_endpoint_for("tcp://10.0.0.1:5600")
-    assert base.startswith("ipc:///tmp/lumen-holder-status-") and len(base) < 100
+    # in the user's own 0700 runtime directory, never a predictable name in /tmp (issue 29)
+    assert base.startswith(f"ipc://{runtime_dir()}/holder-status-") and len(base) < 100
     agent = SidecarConfig(
         worker_id="s", url="http://127.0.0.1:1", gateways=("g:1",), tp=2, kv_endpoint="tcp://10.0.0.1:5600"
     )
@@ -267,20 +269,19 @@ async def test_the_agents_heartbeats_carry_the_holders_durable_tokens(
         assert gone.ckpt_tokens_held == 0 and gone.phase == pb.SERVING
 
 
-def test_a_page_store_whose_status_endpoint_is_taken_still_holds() -> None:
+def test_a_page_store_whose_status_endpoint_is_taken_fails() -> None:
+    """Issue 29: a status socket that cannot be bound is an error the server stops on (it used to be
+    a warning, which let another user's socket answer the agent in its place)."""
     first = PageStore(
         PageStoreConfig(worker_id="a", holder_bind="tcp://127.0.0.1:0", status_bind="tcp://127.0.0.1:0"),
         auth=PlaneAuth.generate(),
     )
     try:
         taken = first.status_endpoint
-        second = PageStore(
-            PageStoreConfig(worker_id="b", holder_bind="tcp://127.0.0.1:0", status_bind=taken),
-            auth=PlaneAuth.generate(),
-        )
-        try:
-            assert second.status_endpoint == "" and second.endpoint.startswith("tcp://")
-        finally:
-            second.close()
+        with pytest.raises(RuntimeError, match="cannot be bound"):
+            PageStore(
+                PageStoreConfig(worker_id="b", holder_bind="tcp://127.0.0.1:0", status_bind=taken),
+                auth=PlaneAuth.generate(),
+            )
     finally:
         first.close()

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +74,26 @@ def merge(statuses: Sequence[hs.HolderStatus], gen: int) -> HolderReport:
     )
 
 
+def peer_refusal(endpoint: str) -> str | None:
+    """Why the status socket at an ipc:// `endpoint` must not be read (None: it may): the process
+    listening there must run as this user (SO_PEERCRED of a connection to it), or another user's
+    socket could answer with an invented status (issue 29). tcp:// endpoints are the operator's
+    explicit choice and are not checked."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            s.connect(path)
+            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError as exc:
+        return f"cannot check its owner: {exc.strerror or exc}"
+    if uid != os.geteuid():
+        return f"its listener runs as uid {uid}, not as this user (uid {os.geteuid()})"
+    return None
+
+
 class HolderPoller:
     """Polls the status sockets of one server's ranks (`endpoints`, rank order)."""
 
@@ -117,6 +140,11 @@ class HolderPoller:
     async def _ask(self, i: int) -> hs.HolderStatus | None:
         sock = self._socks[i]
         if sock is None:
+            refused = peer_refusal(self.endpoints[i])
+            if refused is not None:
+                self.failures += 1
+                log.warning("holder_status_peer_refused", endpoint=self.endpoints[i][:200], reason=refused)
+                return None
             sock = self._socks[i] = self._ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)

@@ -24,10 +24,13 @@ the page store's event-loop thread (`start`, `stop_tasks`, `close`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import structlog
@@ -36,6 +39,7 @@ import zmq.asyncio
 
 from gateway.protocol import holder_status as hs
 from gateway.protocol.planes import Member, Security
+from gateway.protocol.secrets import private_dir, runtime_dir
 from worker_hooks.kv.receiver import StoreServer
 from worker_hooks.kv.store import CheckpointStore, StoreStats
 from worker_hooks.sglang.page_bytes import flat
@@ -79,6 +83,7 @@ class LocalHolder:
             self.store = CheckpointStore(config.budget_bytes, config.eviction, config.orphan_ttl_s, clock)
         self._exists = self._hits = self._read = self._misses = 0
         self.status_endpoint = ""  # where the status socket listens ("" without one)
+        self._status_inode = -1  # the ipc socket file bound, removed at close if still ours
         self.status_answers = 0
         self._server: StoreServer | None = None
         self._tasks: list[asyncio.Task[None]] = []  # the orphan expiry, the status socket
@@ -184,9 +189,7 @@ class LocalHolder:
         endpoint = await self._server.start()
         self._tasks.append(asyncio.create_task(self._expire(), name=f"lumen-pages-expire-{cfg.shard}"))
         if cfg.status_bind is not None:
-            status = self._start_status(ctx, cfg.status_bind)
-            if status is not None:
-                self._tasks.append(status)
+            self._tasks.append(self._start_status(ctx, cfg.status_bind))
         return endpoint
 
     async def stop_tasks(self) -> None:
@@ -201,8 +204,14 @@ class LocalHolder:
         if self._server is not None:
             await self._server.close()
 
-    def _start_status(self, ctx: zmq.asyncio.Context, bind: str) -> asyncio.Task[None] | None:
-        """Bind the status socket and serve it; None (logged) when it cannot be bound."""
+    def _start_status(self, ctx: zmq.asyncio.Context, bind: str) -> asyncio.Task[None]:
+        """Bind the status socket and serve it. An ipc:// socket must be in a directory only this user
+        may write (the runtime directory, made 0700; issue 29), and a socket that cannot be bound is
+        an error the server stops on: a warning let another user's socket answer the agent."""
+        path: Path | None = None
+        if bind.startswith("ipc://"):
+            path = Path(bind.removeprefix("ipc://"))
+            _own_socket_dir(path.parent)
         sock = ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # a request is a few bytes
@@ -210,18 +219,20 @@ class LocalHolder:
             sock.bind(bind)
         except zmq.ZMQError as exc:
             sock.close(0)
-            log.warning(
-                "holder_status_bind_failed", endpoint=bind[:200], shard=self.config.shard, error=str(exc)
-            )
-            return None
+            raise RuntimeError(
+                f"holder status socket {bind[:200]} (shard {self.config.shard}) cannot be bound: {exc}"
+            ) from exc
         self.status_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.status_endpoint.startswith("ipc://"):
+        if path is not None:
             # what the store holds is the cluster's business only: the socket file is the owner's
             # (the agent runs as the server's user); others may not connect to it
-            os.chmod(self.status_endpoint.removeprefix("ipc://"), 0o600)
-        return asyncio.create_task(self._serve_status(sock), name=f"lumen-pages-status-{self.config.shard}")
+            os.chmod(path, 0o600)
+            self._status_inode = os.lstat(path).st_ino
+        return asyncio.create_task(
+            self._serve_status(sock, path), name=f"lumen-pages-status-{self.config.shard}"
+        )
 
-    async def _serve_status(self, sock: zmq.asyncio.Socket) -> None:
+    async def _serve_status(self, sock: zmq.asyncio.Socket, path: Path | None) -> None:
         try:
             while True:
                 frames = await sock.recv_multipart(copy=True)
@@ -234,6 +245,10 @@ class LocalHolder:
                 self.status_answers += 1
         finally:
             sock.close(0)
+            if path is not None:  # no socket file of ours left behind (another's, bound since, stays)
+                with contextlib.suppress(OSError):
+                    if os.lstat(path).st_ino == self._status_inode:
+                        os.unlink(path)
 
     async def _expire(self) -> None:
         store = self.store
@@ -246,3 +261,19 @@ class LocalHolder:
                 expired = store.expire_orphans()
             if expired:
                 log.info("checkpoint_orphans_expired", shard=self.config.shard, rids=expired)
+
+
+def _own_socket_dir(directory: Path) -> None:
+    """`directory` fit to hold a status socket: the runtime directory is created (0700) and checked
+    (gateway.protocol.secrets.private_dir); any other must be this user's and writable by nobody
+    else, or another user could put a socket of theirs there first."""
+    if directory == runtime_dir():
+        private_dir(directory)
+        return
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(
+            f"holder status socket directory {directory} must be this user's and writable by nobody "
+            f"else (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); use the default endpoint "
+            "(the user's runtime directory) or a private directory"
+        )

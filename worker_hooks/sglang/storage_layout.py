@@ -11,9 +11,11 @@ from typing import Any, Final
 import msgspec
 
 from gateway.protocol.launch import Eviction
+from gateway.protocol.secrets import runtime_dir
 from worker_hooks.sglang.page_routes import RouteLookup
 
-STATUS_IPC_DIR: Final = "/tmp"  # where derived status sockets live (same host as the agent)
+# an ipc:// path longer than this does not fit a Unix socket address (sun_path, 108 bytes with its NUL)
+MAX_IPC_PATH: Final = 107
 
 
 # -- shards ---------------------------------------------------------------------------------------
@@ -75,10 +77,19 @@ def status_endpoint_for(holder_endpoint: str) -> str:
     endpoint is `holder_endpoint`; shard s answers at `shard_endpoint(base, s)`, beside its holder
     store. A local ipc socket named by a hash of the holder endpoint as written in the storage config,
     so the agent on the same host derives the same one from the same config without a second port:
-    `ipc:///tmp/lumen-holder-status-<16 hex digits of blake2b(holder_endpoint)>` (+ `.shard<n>`).
-    The `"lumen"` option `status_endpoint` overrides it (e.g. for an agent in another container)."""
+    `ipc://<runtime dir>/holder-status-<16 hex digits of blake2b(holder_endpoint)>` (+ `.shard<n>`),
+    where the runtime directory is the user's own, mode 0700 ($XDG_RUNTIME_DIR/lumen, else
+    ~/.lumen/run: gateway.protocol.secrets.runtime_dir), so no other user can bind it first (issue 29:
+    a predictable name in /tmp could be squatted). The `"lumen"` option `status_endpoint` overrides it
+    (e.g. for an agent in another container)."""
     digest = hashlib.blake2b(holder_endpoint.encode(), digest_size=8).hexdigest()
-    return f"ipc://{STATUS_IPC_DIR}/lumen-holder-status-{digest}"
+    path = f"{runtime_dir()}/holder-status-{digest}"
+    if len(path.encode()) + len(".shard999") > MAX_IPC_PATH:
+        raise ValueError(
+            f"the holder status socket path {path!r} is too long for a Unix socket: set a shorter "
+            "XDG_RUNTIME_DIR, or the lumen option status_endpoint"
+        )
+    return f"ipc://{path}"
 
 
 # -- configuration --------------------------------------------------------------------------------
