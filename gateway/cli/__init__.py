@@ -31,7 +31,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         extra["gateway.control_insecure"] = True
     cfg = load_config_args(args, extra)
     configure_logging(cfg.gateway.log_level, cfg.gateway.log_format)
-    common.run_async(run_gateway(cfg))
+    # SIGHUP re-reads the same file with the same --set on top (gateway/server/live_config.py)
+    common.run_async(run_gateway(cfg, loader=lambda: common.load_config_raising(args, extra)))
     return 0
 
 

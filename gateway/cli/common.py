@@ -21,15 +21,22 @@ def config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_config_args(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
-    from gateway.config import ConfigError, load_config, parse_set
+def load_config_raising(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
+    """The config the command line names (file, --mode, --set, `extra`); raises ConfigError."""
+    from gateway.config import load_config, parse_set
 
     overrides: dict[str, Any] = dict(extra)
     if getattr(args, "mode", None):
         overrides["recovery.mode"] = args.mode
+    overrides.update(parse_set(args.set))
+    return load_config(args.config, overrides)
+
+
+def load_config_args(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
+    from gateway.config import ConfigError
+
     try:
-        overrides.update(parse_set(args.set))
-        return load_config(args.config, overrides)
+        return load_config_raising(args, extra)
     except ConfigError as exc:
         print(f"lumen: invalid configuration: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

@@ -38,6 +38,7 @@ from gateway.server.control_secret import (
     with_admin_key,
     with_control_token,
 )
+from gateway.server.live_config import LiveConfig, add_config_routes
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
 from gateway.server.recovery.gates import assist_gate, boost_gate
@@ -67,6 +68,7 @@ class Gateway:
         self.config = config
         self.fault_injector = fault_injector
         self.metrics = GatewayMetrics()
+        self.live = LiveConfig(self)  # the knobs changed while serving (live_config.py)
         self.fences = FenceLedger(config.gateway.state_dir) if config.gateway.state_dir else None
         self.monitor = LoadMonitor(
             clock=time.monotonic,
@@ -330,6 +332,7 @@ class Gateway:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         AdminAPI(self).add_routes(app)
+        add_config_routes(app, self.live)  # GET/POST /admin/config
         return app
 
     # -- handlers -------------------------------------------------------------------------------

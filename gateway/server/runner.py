@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import structlog
 
@@ -25,12 +26,15 @@ def stop_event() -> asyncio.Event:
     return ev
 
 
-async def run_gateway(config: Config) -> None:
+async def run_gateway(config: Config, loader: Callable[[], Config] | None = None) -> None:
+    """`loader`: the config file and --set the gateway started from, re-read on SIGHUP (live_config.py)."""
     stop = stop_event()
     gw = Gateway(config)
     if os.environ.get(LOCAL_FAULTS_ENV):  # started by a local cluster supervisor
         gw.fault_injector = SignalFaults(gw.monitor)
     await gw.start()
+    if loader is not None:
+        gw.live.watch_sighup(loader)
     announce(
         {
             "event": "ready",

@@ -67,8 +67,9 @@ log = structlog.get_logger(__name__)
 _THREAD_ENCODE_CHARS = 32 * 1024
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ClientApi:
+    # config and bounds are replaced whole by a live change of the limits (server/live_config.py)
     config: Config
     tokenizer: Tokenizer
     generator: Generator
