@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from gateway.cli import common
-from gateway.cli.admin import cmd_cluster_kill, cmd_cluster_status
+from gateway.cli.admin import cmd_cluster_config_set, cmd_cluster_kill, cmd_cluster_status
 from gateway.cli.cluster import cmd_cluster_up
 from gateway.cli.common import config_args, load_config_args
 from gateway.protocol.faults import FAULT_MODES
@@ -218,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = csub.add_parser("status", help="list the workers of a running local cluster")
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=cmd_cluster_status)
+    p = csub.add_parser("config", help="the live configuration of a running cluster's gateways")
+    cfgsub = p.add_subparsers(dest="config_command", required=True)
+    p = cfgsub.add_parser(
+        "set", help="change live knobs (KEY=VALUE, keys as in configs/default.toml) on every gateway"
+    )
+    p.add_argument("assignments", nargs="+", metavar="KEY=VALUE")
+    p.add_argument("--port", type=int, action="append", help="a gateway's port (repeatable; default 8000)")
+    p.add_argument("--gateways", type=int, default=1, help="gateways on consecutive ports from one --port")
+    p.set_defaults(func=cmd_cluster_config_set)
 
     p = sub.add_parser("demo", help="local cluster + load + a worker killed mid-load; shows the recovery")
     config_args(p)

@@ -5,6 +5,7 @@ whole and nothing changes; no stream breaks; /metrics and `GET /admin/config` sh
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -159,3 +160,32 @@ async def test_limits_and_levers_change_live() -> None:
         )
         status, body = await post_config(http, gw, {"limits.max_new_tokens": 16})
         assert status == 200 and body["changed"] == {} and body["generation"] == 2  # nothing differs
+
+
+def ours(out: str) -> list[str]:
+    """The command's own lines (the gateways' logs share the test's stdout)."""
+    return [line for line in out.splitlines() if line.startswith("gateway :")]
+
+
+async def test_cluster_config_set_applies_to_every_gateway(capsys: Any) -> None:
+    """`lumen cluster config set` on two gateways: each one's generation reported; a refusal too."""
+    from gateway.cli.admin import cmd_cluster_config_set, cmd_cluster_status
+
+    async with cluster(1, **OVERRIDES) as (gw0, _w0, _h0), cluster(1, **OVERRIDES) as (gw1, _w1, _h1):
+        ports = [gw0.http_port, gw1.http_port]
+        args = argparse.Namespace(
+            assignments=["recovery.theta=3.5", "recovery.tau=100"], port=ports, gateways=1
+        )
+        assert await asyncio.to_thread(cmd_cluster_config_set, args) == 0
+        out = ours(capsys.readouterr().out)
+        assert out == [
+            f"gateway :{p}  generation 2  recovery.theta: 2.0 -> 3.5, recovery.tau: 512 -> 100" for p in ports
+        ]
+        assert gw0.config.recovery.tau == gw1.config.recovery.tau == 100
+        bad = argparse.Namespace(assignments=["recovery.tau=-5"], port=ports, gateways=1)
+        assert await asyncio.to_thread(cmd_cluster_config_set, bad) == 1
+        out = ours(capsys.readouterr().out)
+        assert len(out) == 2 and all("refused" in line and "recovery.tau" in line for line in out)
+        assert await asyncio.to_thread(cmd_cluster_status, argparse.Namespace(port=ports[0])) == 0
+        status = capsys.readouterr().out
+        assert "config generation 2: recovery.theta=3.5 recovery.tau=100" in status
