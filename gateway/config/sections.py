@@ -130,6 +130,12 @@ class LimitsSection:
     per_key_max_concurrent: int = 0
     per_key_rate_per_s: float = 0.0  # requests per second, a token bucket refilled continuously
     per_key_burst: int = 0  # the bucket's size; 0: the rate rounded up (at least 1)
+    # fair shares of work between keys (issue 29; server/api/admission.py): work in flight, in tokens
+    # (each choice's prompt + max new tokens, released as they are done), up to this per healthy
+    # worker; beyond it jobs queue per key and the least served key goes next, while a key with
+    # nothing in flight always starts at once. About 4 prefill chunks of 8192. 0: off
+    work_per_worker_tokens: int = 32768
+    work_queue_timeout_s: float = 60.0  # a job queued longer than this is refused (429)
 
 
 @dataclass(frozen=True, slots=True)

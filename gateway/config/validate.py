@@ -173,6 +173,18 @@ def _limits(cfg: Config) -> None:
         lim.per_key_burst,
         "needs limits.per_key_rate_per_s > 0 (the burst is the size of the rate's bucket)",
     )
+    _check(
+        lim.work_per_worker_tokens >= 0,
+        "limits.work_per_worker_tokens",
+        lim.work_per_worker_tokens,
+        "must be >= 0 (0: no fair shares, every job goes to the workers at once)",
+    )
+    _check(
+        0 < lim.work_queue_timeout_s <= MAX_HTTP_TIMEOUT_S,
+        "limits.work_queue_timeout_s",
+        lim.work_queue_timeout_s,
+        f"must be in (0, {MAX_HTTP_TIMEOUT_S:g}] seconds",
+    )
 
 
 def _tokenizer(cfg: Config) -> None:

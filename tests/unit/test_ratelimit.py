@@ -152,3 +152,43 @@ def test_forgetting_idle_keys_changes_no_verdict(reqs: list[tuple[str, float, bo
             eager.release(key)
             never.release(key)
     assert len(eager) <= len(never)
+
+
+# -- fair shares of work (issue 29) ----------------------------------------------------------------
+def test_fair_share_admits_a_keys_first_job_at_once_and_queues_a_busy_keys_work() -> None:
+    from gateway.server.api.ratelimit import FairShare
+
+    share = FairShare(lambda: 100)
+    a1 = share.request("a", 80)
+    a2 = share.request("a", 80)  # over capacity: waits
+    b1 = share.request("b", 80)  # nothing of b's in flight: starts at once, whatever a holds
+    assert (a1.admitted, a2.admitted, b1.admitted) == (True, False, True)
+    a3 = share.request("a", 10)
+    assert not a3.admitted  # behind a2: FIFO per key
+    # the first token of a1: its prompt is done; still over capacity with b's work
+    assert share.done(a1, 70) == [] and share.in_flight == 90
+    # b1 ends: capacity frees for a's queue, in order (both fit now)
+    assert share.release(b1) == [a2, a3]
+    assert share.release(a1) == []
+    share.release(a2)
+    share.release(a3)
+    assert share.in_flight == 0 and share.waiting() == 0
+
+
+def test_fair_share_serves_the_least_served_key_first() -> None:
+    from gateway.server.api.ratelimit import FairShare
+
+    share = FairShare(lambda: 100)
+    big = [share.request("a", 50) for _ in range(4)]  # a: two in flight, two waiting
+    small = share.request("b", 10)  # b's first: at once
+    b2 = share.request("b", 10)  # b's second waits (over capacity)
+    assert [t.admitted for t in big] == [True, True, False, False] and small.admitted and not b2.admitted
+    # capacity frees: b holds less than a, so b's job goes before a's queued ones
+    assert share.release(big[0]) == [b2]
+    # a cancelled wait leaves the queue
+    assert share.release(big[3]) == [] and share.waiting() == 1
+    for t in (big[1], small, b2):
+        share.release(t)
+    assert share.in_flight == 50 and share.waiting() == 0  # big[2] took the room
+    share.release(big[2])
+    assert share.in_flight == 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 # a request refused for concurrency is told to retry after this (nothing predicts when a slot frees)
@@ -123,3 +123,108 @@ class KeyLimiter:
         for key in [key for key, k in self._keys.items() if self._forgettable(k, now)]:
             del self._keys[key]
         self._sweep_at = max(self._sweep_min, 2 * len(self._keys))
+
+
+# -- fair shares of work between keys ------------------------------------------------------------
+@dataclass(slots=True, eq=False)  # each ticket is itself: two of equal work are not the same one
+class WorkTicket:
+    """One admitted (or waiting) unit of work: a choice's tokens to prefill and decode."""
+
+    key: str
+    work: int  # tokens of work still counted against the key and the gateway
+    admitted: bool = False
+
+
+@dataclass(slots=True)
+class _Tenant:
+    in_flight: int = 0  # work of its admitted tickets
+    running: int = 0  # its admitted tickets
+    waiting: list[WorkTicket] = field(default_factory=list)  # FIFO
+
+
+class FairShare:
+    """Work-conserving fair sharing of the gateway's capacity between keys (issue 29).
+
+    Work is counted in tokens: a choice's prompt tokens to prefill plus its max new tokens to decode,
+    released as they are done (the prompt at the first token, then each token). The gateway admits
+    work while what is in flight stays within `capacity()`; beyond it, work waits in a FIFO per key,
+    and as capacity frees the key with the least work in flight goes first (max-min fairness: weighted
+    fair queuing with equal weights), so a key's many large requests take turns with the others'
+    rather than going ahead of them. A key with nothing in flight is always admitted at once: no
+    key's first token waits behind another key's work at the gateway. Pure: callers wake waiters.
+    """
+
+    def __init__(self, capacity: Callable[[], int]) -> None:
+        self.capacity = capacity
+        self.in_flight = 0
+        self._tenants: dict[str, _Tenant] = {}
+
+    def tenant(self, key: str) -> _Tenant:
+        t = self._tenants.get(key)
+        if t is None:
+            t = self._tenants[key] = _Tenant()
+        return t
+
+    def request(self, key: str, work: int) -> WorkTicket:
+        """A ticket for `work` tokens of `key`: admitted at once (`admitted`), or queued."""
+        ticket = WorkTicket(key, max(1, work))
+        t = self.tenant(key)
+        if t.running == 0 or (not self._anyone_waiting() and self.in_flight + ticket.work <= self.capacity()):
+            self._admit(ticket, t)
+        else:
+            t.waiting.append(ticket)
+        return ticket
+
+    def done(self, ticket: WorkTicket, work: int) -> list[WorkTicket]:
+        """`work` tokens of an admitted ticket are done; returns the tickets admitted thereby."""
+        if not ticket.admitted or work <= 0:
+            return []
+        work = min(work, ticket.work - 1)  # a ticket counts at least 1 until released
+        ticket.work -= work
+        self.tenant(ticket.key).in_flight -= work
+        self.in_flight -= work
+        return self._admit_waiting()
+
+    def release(self, ticket: WorkTicket) -> list[WorkTicket]:
+        """The ticket's work has ended (or it gave up waiting); returns the tickets admitted thereby."""
+        t = self._tenants.get(ticket.key)
+        if t is None:
+            return []
+        if ticket.admitted:
+            t.in_flight -= ticket.work
+            t.running -= 1
+            self.in_flight -= ticket.work
+            ticket.admitted = False
+            ticket.work = 0
+        elif ticket in t.waiting:
+            t.waiting.remove(ticket)
+        if t.running == 0 and not t.waiting:
+            del self._tenants[ticket.key]
+        return self._admit_waiting()
+
+    def waiting(self) -> int:
+        return sum(len(t.waiting) for t in self._tenants.values())
+
+    def _anyone_waiting(self) -> bool:
+        return any(t.waiting for t in self._tenants.values())
+
+    def _admit(self, ticket: WorkTicket, t: _Tenant) -> None:
+        ticket.admitted = True
+        t.in_flight += ticket.work
+        t.running += 1
+        self.in_flight += ticket.work
+
+    def _admit_waiting(self) -> list[WorkTicket]:
+        admitted: list[WorkTicket] = []
+        while True:
+            ready = [(t.in_flight, key) for key, t in self._tenants.items() if t.waiting]
+            if not ready:
+                return admitted
+            _, key = min(ready)  # the least served key first (ties: by key, deterministic)
+            t = self._tenants[key]
+            head = t.waiting[0]
+            if t.running and self.in_flight + head.work > self.capacity() and self.in_flight > 0:
+                return admitted
+            t.waiting.pop(0)
+            self._admit(head, t)
+            admitted.append(head)

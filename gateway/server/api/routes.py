@@ -42,7 +42,7 @@ from gateway.protocol.openai.requests import (
     parse_generate,
 )
 from gateway.protocol.streamid import RESUMABLE_HEADER, asks_resumable, stream_key
-from gateway.server.api.admission import KEY_ID, guard, limiter_of
+from gateway.server.api.admission import KEY_ID, fair_generator, guard, limiter_of
 from gateway.server.api.chat_template import ChatTemplate
 from gateway.server.api.detokenize import Detokenizer
 from gateway.server.api.errors import (
@@ -203,7 +203,8 @@ def add_client_routes(
     api = app[CLIENT_API] = ClientApi(
         config=config,
         tokenizer=tokenizer,
-        generator=generator,
+        # each choice's work admitted through fair shares between keys (admission.py, issue 29)
+        generator=fair_generator(generator, config.limits),
         template=ChatTemplate.load(config.tokenizer.chat_template, tokenizer),
         bounds=bounds_of(config, tokenizer.vocab_size),
         eos_ids=eos,
