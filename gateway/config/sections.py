@@ -295,6 +295,10 @@ class RecoverySection:
     # a Lumen worker keeps a request running this long after its gateway's connection drops, for
     # another gateway to adopt when the client resumes its stream there (0: abort at once)
     orphan_grace_s: float = 30.0
+    # a stream id (Last-Event-ID) older than this, from its response's `created`, resumes nothing
+    # (400 expired_last_event_id): whoever holds an old id and its body cannot read the rest of that
+    # stream forever (issue 29). Longer than the longest stream plus a client's reconnection
+    resume_ttl_s: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -332,6 +332,7 @@ def _recovery(cfg: Config) -> None:
     _choice("recovery.dispatch_rule", r.dispatch_rule, (DispatchRule.THRESHOLD, DispatchRule.COST))
     _check(1 <= r.max_attempts <= 16, "recovery.max_attempts", r.max_attempts, "must be in 1..16")
     _positive("recovery.first_token_timeout_s", r.first_token_timeout_s)
+    _positive("recovery.resume_ttl_s", r.resume_ttl_s)
     _positive("recovery.stall_timeout_s", r.stall_timeout_s)
     _check(r.no_worker_wait_s >= 0, "recovery.no_worker_wait_s", r.no_worker_wait_s, "must be >= 0")
 

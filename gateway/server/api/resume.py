@@ -14,7 +14,9 @@ one step then repeats the first, a chat role chunk, rather than losing the secon
 
 from __future__ import annotations
 
+import math
 import secrets
+import time
 from dataclasses import dataclass
 
 from gateway.protocol.streamid import (
@@ -60,10 +62,19 @@ class ResumePoint:
 
 
 def resume_point(
-    header: str | None, key: bytes, body: dict[str, object], caller: str, n: int, stream: bool
+    header: str | None,
+    key: bytes,
+    body: dict[str, object],
+    caller: str,
+    n: int,
+    stream: bool,
+    *,
+    ttl_s: float = math.inf,
+    now: float | None = None,
 ) -> ResumePoint | None:
     """The request's resume point, or None for a fresh request. A Last-Event-ID that is forged, from
-    another cluster, request or caller, or on a request that does not stream, is a 400."""
+    another cluster, request or caller, on a request that does not stream, or older than `ttl_s`
+    (recovery.resume_ttl_s, from its response's `created`), is a 400."""
     if header is None:
         return None
     if not stream:
@@ -74,6 +85,14 @@ def resume_point(
         pos = decode_position(key, header, request=request_digest(body), caller=caller_digest(caller))
     except StreamIdError as exc:
         raise InvalidRequest(str(exc), param=LAST_EVENT_ID, code="invalid_last_event_id") from exc
+    age = (time.time() if now is None else now) - pos.created
+    if age > ttl_s:
+        raise InvalidRequest(
+            f"{LAST_EVENT_ID} has expired: its stream started {age:.0f} s ago, resumes are taken for "
+            f"{ttl_s:g} s (recovery.resume_ttl_s); send the request anew",
+            param=LAST_EVENT_ID,
+            code="expired_last_event_id",
+        )
     if len(pos.choices) != n:
         raise InvalidRequest(
             f"{LAST_EVENT_ID} has {len(pos.choices)} choices, the request {n}", param=LAST_EVENT_ID

@@ -164,7 +164,15 @@ class ClientApi:
         self, request: web.Request, body: dict[str, object], n: int, stream: bool
     ) -> ResumePoint | None:
         caller = request.get(KEY_ID, "")
-        return resume_point(request.headers.get(LAST_EVENT_ID), self.stream_key, body, caller, n, stream)
+        return resume_point(
+            request.headers.get(LAST_EVENT_ID),
+            self.stream_key,
+            body,
+            caller,
+            n,
+            stream,
+            ttl_s=self.config.recovery.resume_ttl_s,
+        )
 
     def stream_ids(
         self, request: web.Request, body: dict[str, object], rid: str, created: int, choices: Choices,
