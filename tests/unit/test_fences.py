@@ -100,3 +100,22 @@ def test_an_unusable_state_dir_is_a_config_error_naming_the_key(tmp_path: Path) 
     blocker.write_text("not a directory")
     with pytest.raises(ConfigError, match=r"gateway\.state_dir"):
         FenceLedger(blocker / "state")
+
+
+def test_a_fence_beyond_any_incarnation_is_skipped_not_a_lockout_for_good(tmp_path: Path) -> None:
+    """Issue 29: one ledger line with incarnation 2**64 - 1 (corrupt or hostile) used to refuse every
+    future incarnation of that worker; lines out of bounds are skipped, the others kept."""
+    import time
+
+    now_us = time.time_ns() // 1000
+    lines = [
+        f'{{"v":1,"worker":"w0","incarnation":{2**64 - 1},"at_unix_s":0}}',
+        f'{{"v":1,"worker":"w1","incarnation":{now_us - 5},"at_unix_s":0}}',
+        '{"v":1,"worker":"' + "x" * 5000 + '","incarnation":1,"at_unix_s":0}',
+    ]
+    (tmp_path / LEDGER_FILE).write_text("\n".join(lines) + "\n")
+    m = monitor(tmp_path)
+    m.attach(hello("w0", now_us))  # a new incarnation of w0 is admitted
+    with pytest.raises(AttachRefused):
+        m.attach(hello("w1", now_us - 5))  # the sane fence still holds
+    assert set(FenceLedger(tmp_path).fences) <= {"w0", "w1"}

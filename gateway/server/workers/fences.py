@@ -18,6 +18,7 @@ not a failure of the workers (the monitor stops recording first).
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -35,6 +36,12 @@ COMPACT_FACTOR = 4
 COMPACT_MIN_LINES = 64
 # workers remembered at most (the least recently fenced forgotten first), as the monitor's tombstones
 MAX_WORKERS = 4096
+# what a line may hold (issue 29: a corrupt or hostile ledger must not lock a worker out for good).
+# Incarnations are microseconds since the epoch (max(now, previous + 1)): one more than a day ahead
+# of this gateway's clock is no incarnation any worker has had, and would fence all its future ones
+MAX_AHEAD_US = 86_400 * 1_000_000
+MAX_LINE_BYTES = 4096
+MAX_WORKER_ID_CHARS = 256
 
 
 class FenceLedger:
@@ -56,17 +63,30 @@ class FenceLedger:
         if not self.path.exists():
             return fences
         decoder = msgspec.json.Decoder(FenceEntry)
+        latest = time.time_ns() // 1000 + MAX_AHEAD_US
         with self.path.open("rb") as f:
             for n, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
+                if len(line) > MAX_LINE_BYTES:
+                    log.warning("fence_line_skipped", file=str(self.path), line=n, error=f"{len(line)} bytes")
+                    continue
                 try:
                     e = decoder.decode(line)
                 except msgspec.DecodeError as exc:
-                    log.warning("fence_line_skipped", file=str(self.path), line=n, error=str(exc))
+                    log.warning("fence_line_skipped", file=str(self.path), line=n, error=str(exc)[:200])
                     continue
                 if e.v != FENCE_LEDGER_VERSION:
                     log.warning("fence_line_skipped", file=str(self.path), line=n, error=f"version {e.v}")
+                    continue
+                if not 0 <= e.incarnation <= latest or not 0 < len(e.worker) <= MAX_WORKER_ID_CHARS:
+                    log.warning(
+                        "fence_line_skipped",
+                        file=str(self.path),
+                        line=n,
+                        error=f"out of bounds: worker of {len(e.worker)} chars, incarnation {e.incarnation} "
+                        f"(more than {MAX_AHEAD_US // 1_000_000} s ahead of now, or negative)",
+                    )
                     continue
                 fences[e.worker] = max(e.incarnation, fences.pop(e.worker, e.incarnation))
         while len(fences) > MAX_WORKERS:
@@ -102,15 +122,21 @@ class FenceLedger:
             )
 
     def _compact(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
+        # a new file of a random name (O_EXCL, O_NOFOLLOW: nothing planted there is written through)
+        tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}")
         now = round(time.time(), 3)
         enc = msgspec.json.Encoder()
-        with tmp.open("wb") as f:
-            for worker, inc in self.fences.items():
-                f.write(enc.encode(FenceEntry(worker, inc, now)) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for worker, inc in self.fences.items():
+                    f.write(enc.encode(FenceEntry(worker, inc, now)) + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self._lines = len(self.fences)
 
     def close(self) -> None:
