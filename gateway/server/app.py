@@ -46,6 +46,7 @@ from gateway.server.recovery.levers import OutageLevers
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.recovery.reload import ReloadCoordinator
+from gateway.server.request_metrics import request_metrics_middleware
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.fences import FenceLedger
@@ -320,7 +321,9 @@ class Gateway:
         if self.sessions is None:
             raise RuntimeError("Gateway.start() builds the app")
         app = web.Application(
-            middlewares=[error_middleware], client_max_size=self.config.limits.max_request_bytes
+            # outermost: the status each client got, errors included (request_metrics.py)
+            middlewares=[request_metrics_middleware(self.metrics), error_middleware],
+            client_max_size=self.config.limits.max_request_bytes,
         )
         add_client_routes(
             app,
