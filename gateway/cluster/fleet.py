@@ -36,6 +36,7 @@ from gateway.config import Config
 from gateway.protocol.secrets import ADMIN_KEYS_ENV, TOKEN_ENV
 from gateway.server.control_secret import publish_admin_key
 from gateway.server.local_faults import LOCAL_FAULTS_ENV
+from gateway.server.runner import ORPHAN_FILES_ENV
 
 log = structlog.get_logger("lumen.fleet")
 
@@ -104,6 +105,8 @@ class GatewayFleet:
         self.admin_key_files: set[Path] = set()
         # the registry of launched workers the gateways check a pid against (None: no signal faults)
         self.launched = launched
+        # the files this supervisor publishes (its first gateway removes them if the supervisor dies)
+        self.files: Callable[[], list[Path]] | None = None
         self.config_args = config_args
         self.shared_port = shared_port
         self.log_dir = log_dir
@@ -162,6 +165,8 @@ class GatewayFleet:
         env[TOKEN_ENV] = self.config.gateway.control_token
         if self.admin_key:
             env[ADMIN_KEYS_ENV] = self.admin_key
+        if g.index == 0 and self.files:  # removed by it if this supervisor dies (runner.py)
+            env[ORPHAN_FILES_ENV] = os.pathsep.join(str(p) for p in self.files())
         g.up.clear()
         with g.log_path.open("ab") as logf:
             g.proc = await asyncio.create_subprocess_exec(

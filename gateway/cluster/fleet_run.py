@@ -23,6 +23,7 @@ from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, work
 from gateway.config import Config
 from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import policy_for
+from gateway.protocol.secrets import default_admin_key_path
 from gateway.server.api.tokenizer import make_tokenizer
 from gateway.server.control_secret import publish_token, with_admin_key, with_control_token
 from gateway.server.local_faults import LaunchRegistry
@@ -71,6 +72,12 @@ async def run_fleet(
         launched=None if launched is None else launched.path,
     )
     token_file = publish_token(config.gateway, fleet.gateways[0].control_port)
+    # what the first gateway removes should this supervisor die without cleaning up (SIGKILL)
+    fleet.files = lambda: [
+        token_file,
+        *(default_admin_key_path(g.http_port) for g in fleet.gateways if admin_generated and g.http_port),
+        *([launched.path] if launched is not None else []),
+    ]
     cluster: LocalCluster | SGLangCluster | None = None
     watcher: asyncio.Task[None] | None = None
     try:

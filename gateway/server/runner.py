@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -48,6 +49,22 @@ async def run_gateway(config: Config, loader: Callable[[], Config] | None = None
         await stop.wait()
     finally:
         await gw.stop()
+        remove_if_orphaned()
+
+
+# set by a `lumen cluster up` supervisor on its first gateway: the files it published (control token,
+# admin keys, launch registry), removed by that gateway if it stops because the supervisor is gone
+# (killed with SIGKILL, it could not remove them itself; the gateway gets SIGTERM by PR_SET_PDEATHSIG)
+ORPHAN_FILES_ENV = "LUMEN_SUPERVISOR_FILES"
+
+
+def remove_if_orphaned() -> None:
+    parent = os.environ.get("LUMEN_PARENT_PID", "")
+    if not parent.isdigit() or os.getppid() == int(parent):
+        return  # a live supervisor cleans up after itself (and may restart this gateway)
+    for path in filter(None, os.environ.get(ORPHAN_FILES_ENV, "").split(os.pathsep)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def announce(obj: dict[str, object]) -> None:
