@@ -79,8 +79,14 @@ class GatewaySection:
     served_model_name: str = "lumen-synthetic"
     # bearer keys for the client API; empty: no auth. Also from LUMEN_API_KEYS (comma-separated).
     api_keys: tuple[str, ...] = ()
-    # bearer keys for /admin; empty: admin is open on loopback only. Also from LUMEN_ADMIN_API_KEYS.
+    # bearer keys for /admin; empty: the gateway generates one and keeps it in a 0600 file of the
+    # per-user runtime directory (admin-key-<port>, where `lumen cluster status/kill` find it); the
+    # admin API is never open. Also from LUMEN_ADMIN_API_KEYS.
     admin_api_keys: tuple[str, ...] = ()
+    # /metrics without a key (what Prometheus scrapers expect): counts, latencies and states, no
+    # prompt, output or secret, API keys only by key_id. false: /metrics needs a client API key or an
+    # admin key as its bearer (issue 29)
+    metrics_public: bool = True
     # resumable streams (`id:` lines, `Last-Event-ID`, keep-alive comments; gateway/protocol/streamid.py):
     # false: only for requests that ask (header `Lumen-Resumable: 1`) and the keys below; other streams
     # are framed as SGLang and OpenAI servers frame them. true: every stream

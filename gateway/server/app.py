@@ -26,6 +26,7 @@ from gateway.protocol.generate import EngineKind
 from gateway.protocol.secrets import worker_http_bearer
 from gateway.protocol.sglang import sglang_rid
 from gateway.server.admin import AdminAPI, FaultInjector
+from gateway.server.api.auth import require_metrics
 from gateway.server.api.http_server import ClientRunner
 from gateway.server.api.middleware import error_middleware
 from gateway.server.api.routes import add_client_routes
@@ -350,6 +351,7 @@ class Gateway:
         return web.json_response(body, status=200 if healthy else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        require_metrics(request, self.config.gateway)  # open unless gateway.metrics_public = false
         for st in WorkerState:
             self.metrics.workers.labels(state=st.value).set(
                 sum(1 for w in self.monitor.workers.values() if w.state is st)

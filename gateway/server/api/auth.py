@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from aiohttp import hdrs, web
 
+from gateway.config.sections import GatewaySection
 from gateway.server.api.errors import Unauthorized
 
 
@@ -70,3 +71,17 @@ def require_admin(request: web.Request, admin_keys: Sequence[str]) -> str:
     found = check_bearer(request, admin_keys)
     assert found is not None  # keys are configured: check_bearer matched one or raised
     return found
+
+
+def require_metrics(request: web.Request, g: GatewaySection) -> None:
+    """/metrics: open when `gateway.metrics_public` (the default); else a client API key or an admin
+    key (401 otherwise; with neither kind configured, the generated admin key)."""
+    if g.metrics_public:
+        return
+    token = bearer_token(request)
+    if token is None:
+        raise Unauthorized(
+            "/metrics needs a key (gateway.metrics_public = false): 'Authorization: Bearer <key>'"
+        )
+    if match_key(token, g.api_keys) is None and match_key(token, g.admin_api_keys) is None:
+        raise Unauthorized("invalid key for /metrics")
