@@ -93,6 +93,10 @@ class GatewaySection:
     resumable_streams: bool = False
     # key ids (`key-` + 8 hex digits, as in the logs and metrics) whose every stream is resumable
     resumable_keys: tuple[str, ...] = ()
+    # a CSV trace of the traffic (arrival, prompt and output tokens; no text) in the layout `lumen sim
+    # --trace` and `lumen tune --trace` read (gateway/server/trace_recorder.py); "": none
+    record_trace: str = ""
+    record_trace_max_bytes: int = 64 * 1024 * 1024  # past this the file is rotated to PATH.1
     # shared secret workers present in Hello. Also from LUMEN_CONTROL_TOKEN. Empty: the gateway
     # generates one at start and writes it to control_token_file (gateway/protocol/secrets.py)
     control_token: str = ""

@@ -77,6 +77,12 @@ def _gateway(cfg: Config) -> None:
     _choice("gateway.log_level", g.log_level, ("debug", "info", "warning", "error"))
     for i, k in enumerate(g.api_keys):
         _check(len(k) >= 8, f"gateway.api_keys[{i}]", "***", "an API key must have at least 8 characters")
+    _check(
+        g.record_trace_max_bytes >= 4096,
+        "gateway.record_trace_max_bytes",
+        g.record_trace_max_bytes,
+        "must be >= 4096",
+    )
     for i, kid in enumerate(g.resumable_keys):
         _check(
             re.fullmatch(r"key-[0-9a-f]{8}", kid) is not None,

@@ -126,6 +126,22 @@ def add_sim_commands(sub: Any) -> None:
     p.add_argument("--beta", type=_floats, default=(1.0,))
     p.add_argument("--rules", default="threshold", help="comma-separated: threshold, cost")
     p.add_argument("--mode", default="lumen", choices=[m for m in MODES if MODES[m].checkpointing])
+    p.add_argument(
+        "--current",
+        metavar="THETA,TAU",
+        help="the θ and τ in force today (default: the scenario's, which are the gateway's defaults); "
+        "shown beside the recommendation and always in the grid",
+    )
+    p.add_argument(
+        "--port", type=int, default=8000, help="the gateway port the printed `lumen cluster config set` names"
+    )
+    p.add_argument(
+        "--fail-at",
+        type=float,
+        metavar="S",
+        help="move the scenario's failures so the first strikes S seconds into the workload (a recorded "
+        "trace shorter than the scenario's failure time needs it)",
+    )
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("native", help="compile the simulator's hot modules with mypyc (build, status, clean)")
@@ -282,11 +298,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     _native(args)
     scenario = _scenario(args)
+    if args.fail_at is not None and scenario.failures:
+        if not args.fail_at >= 0:
+            print("lumen: --fail-at must be >= 0", file=sys.stderr)
+            return 2
+        shift = args.fail_at - min(f.at_s for f in scenario.failures)
+        failures = tuple(replace(f, at_s=f.at_s + shift) for f in scenario.failures)
+        scenario = replace(scenario, failures=failures)
     seed = scenario.seed if args.seed is None else args.seed
     try:
-        grid = Grid(
-            args.theta, args.tau, args.alpha, args.beta, tuple(r.strip() for r in args.rules.split(","))
-        )
+        now_theta, now_tau = scenario.recovery.theta, scenario.recovery.tau
+        if args.current:
+            a, _, b = args.current.partition(",")
+            now_theta, now_tau = float(a), int(b)
+        # today's values are always a cell, so they can be shown beside the recommendation
+        thetas = tuple(sorted({*args.theta, now_theta}))
+        taus = tuple(sorted({*args.tau, now_tau}))
+        grid = Grid(thetas, taus, args.alpha, args.beta, tuple(r.strip() for r in args.rules.split(",")))
     except ValueError as exc:
         print(f"lumen: {exc}", file=sys.stderr)
         return 2
@@ -296,6 +324,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except TraceError as exc:
         print(f"lumen: {exc}", file=sys.stderr)
         return 2
+    today = next(
+        (
+            p
+            for p in result["grid"]
+            if p["theta"] == now_theta
+            and p["tau"] == now_tau
+            and p["alpha"] == args.alpha[0]
+            and p["beta"] == args.beta[0]
+        ),
+        None,
+    )
+    result["today"] = today
+    best = result["best"]
+    result["apply"] = (
+        f"lumen cluster config set recovery.theta={best['theta']} recovery.tau={best['tau']} --port {args.port}"
+        if best.get("rule") == "threshold"
+        else None
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune.json").write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_plots:
@@ -307,5 +353,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"rule={best['rule']}: TTFT after failure {best['score_ttft_s']} s, recovery "
         f"{best['recovery_time_robust_s']} s (5 s windows, 1.25x); neighbours worse by {worse}"
     )
+    print(side_by_side(best, today))
+    if result["apply"]:
+        print(f"apply it live: {result['apply']}")
     print(f"wrote {args.out / 'tune.json'}", file=sys.stderr)
     return 0
+
+
+def side_by_side(best: dict[str, Any], today: dict[str, Any] | None) -> str:
+    """The recommendation beside today's values: the damage (excess TTFT request-s against the
+    no-failure twin), the TTFT over one window common to every cell, and the recovery time."""
+
+    def cell(v: object, unit: str = "") -> str:
+        return "–" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+    rows = [("recommended", best)] + ([("today", today)] if today is not None else [])
+    lines = [
+        f"{'':<12} {'theta':>6} {'tau':>6} {'damage (req-s)':>15} {'common-window TTFT':>19} {'recovery':>9}"
+    ]
+    for name, p in rows:
+        lines.append(
+            f"{name:<12} {cell(p['theta']):>6} {cell(p['tau']):>6} {cell(p.get('excess_ttft_request_s')):>15} "
+            f"{cell(p.get('score_ttft_s'), ' s'):>19} {cell(p.get('recovery_time_robust_s'), ' s'):>9}"
+        )
+    return "\n".join(lines)

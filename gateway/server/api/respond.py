@@ -12,7 +12,8 @@ comments; any other is framed as SGLang and OpenAI servers frame theirs: `data:`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import msgspec
 import structlog
@@ -45,9 +46,31 @@ async def respond(
     keepalive_s: float,
     positions: StreamIds | None = None,
     headers: Mapping[str, str] | None = None,
+    record: Callable[[float, int, int], None] | None = None,
 ) -> web.StreamResponse:
     """The whole response, or its SSE stream: each step's events in one write, the last with the
-    stream's position as its `id` (resume.py); replayed steps of a resumed stream are not written."""
+    stream's position as its `id` (resume.py); replayed steps of a resumed stream are not written.
+    `record(arrival, prompt tokens, output tokens)`: each choice once the response ended (the trace
+    recorder, gateway.record_trace)."""
+    arrival = time.time()
+    try:
+        return await _respond(request, choices, fmt, stream, keepalive_s, positions, headers)
+    finally:
+        if record is not None:
+            for g in choices.gens:
+                if g.completion_tokens:  # a request refused before any output is not traffic served
+                    record(arrival, g.prompt_tokens, g.completion_tokens)
+
+
+async def _respond(
+    request: web.Request,
+    choices: Choices,
+    fmt: Format,
+    stream: bool,
+    keepalive_s: float,
+    positions: StreamIds | None,
+    headers: Mapping[str, str] | None,
+) -> web.StreamResponse:
     gens = choices.gens
     async with choices:  # closes every generator on every way out, cancellation included
         if not stream:

@@ -60,6 +60,7 @@ from gateway.server.api.respond import REPLAY_HEADER, json_response, respond
 from gateway.server.api.resume import LAST_EVENT_ID, ResumePoint, StreamIds, draw_seed, resume_point
 from gateway.server.api.schemas import bounds_of, check_prompt_length
 from gateway.server.api.tokenizer import Tokenizer
+from gateway.server.trace_recorder import TraceRecorder
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +84,8 @@ class ClientApi:
     openapi: dict[str, bytes] = field(default_factory=dict)
     # what a sampled request's replay is (the `Lumen-Replay` header's value, or None): sessions.py
     replay_note: Callable[[bool], str | None] | None = None
+    # the traffic trace (gateway.record_trace; trace_recorder.py), or None
+    recorder: TraceRecorder | None = None
 
     def replay_headers(self, s: SamplingRequest) -> dict[str, str]:
         """`Lumen-Replay: not-reproducible; reason=...` for a sampled request where a live server
@@ -220,6 +223,15 @@ def add_client_routes(
         stream_key=stream_key(config.gateway.control_token),
         replay_note=replay_note,
     )
+    g = config.gateway
+    if g.record_trace:
+        api.recorder = TraceRecorder(g.record_trace, g.record_trace_max_bytes)
+
+        async def close_trace(_app: web.Application) -> None:
+            if api.recorder is not None:
+                api.recorder.close()
+
+        app.on_cleanup.append(close_trace)
     guarded = guard(config.gateway.api_keys, limiter_of(config.limits))
     for method, path, handler, body in (
         ("POST", "/v1/completions", completions, "completion"),
@@ -297,6 +309,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         api.config.limits.sse_keepalive_s,
         positions,
         headers=api.replay_headers(req.sampling),
+        record=api.recorder.record if api.recorder is not None else None,
     )
 
 
@@ -327,6 +340,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         api.config.limits.sse_keepalive_s,
         positions,
         headers=api.replay_headers(req.sampling),
+        record=api.recorder.record if api.recorder is not None else None,
     )
 
 
@@ -352,6 +366,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         api.config.limits.sse_keepalive_s,
         positions,
         headers=api.replay_headers(req.sampling),
+        record=api.recorder.record if api.recorder is not None else None,
     )
 
 
