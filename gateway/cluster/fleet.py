@@ -181,7 +181,8 @@ class GatewayFleet:
         port = urlsplit(str(ready.get("url", ""))).port
         if self.admin_key and port:
             path = publish_admin_key(self.admin_key, port)
-            self.admin_key_files.add(path)
+            if path is not None:
+                self.admin_key_files.add(path)
 
     def remove_files(self) -> None:
         """Remove the admin key files published (every exit path of the supervisor that runs code)."""

@@ -62,11 +62,22 @@ def with_admin_key(config: Config) -> tuple[Config, bool]:
     return dataclasses.replace(config, gateway=dataclasses.replace(g, admin_api_keys=(key,))), True
 
 
-def publish_admin_key(key: str, http_port: int) -> Path:
+def publish_admin_key(key: str, http_port: int) -> Path | None:
     """Write a generated admin key (mode 0600, in the per-user runtime directory) where the owner's
-    `lumen cluster status/kill` look for it: `admin-key-<http_port>`. The key is never logged."""
+    `lumen cluster status/kill` look for it: `admin-key-<http_port>`. The key is never logged. Where
+    the runtime directory cannot be written (a read-only root filesystem), the gateway serves on with
+    its admin API closed to everyone (None; logged): configure admin_api_keys to use it."""
     path = default_admin_key_path(http_port)
-    write_token_file(path, key)
+    try:
+        write_token_file(path, key)
+    except (OSError, SecretError) as exc:
+        log.error(
+            "admin_key_not_published",
+            file=str(path),
+            error=str(exc),
+            hint="the admin API stays closed; set gateway.admin_api_keys (LUMEN_ADMIN_API_KEYS) to use it",
+        )
+        return None
     log.info("admin_key_generated", file=str(path), hint="`lumen cluster status/kill` read it from there")
     return path
 
