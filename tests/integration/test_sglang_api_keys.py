@@ -131,7 +131,7 @@ def test_the_agent_generates_a_key_in_a_private_config_file(monkeypatch: pytest.
     assert len(key) >= 32 and key not in " ".join(tail)  # never on the command line
     path = Path(tail[tail.index("--config") + 1])
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert json.loads(path.read_text().partition(":")[2]) == key
+    assert path.read_text().startswith("api-key: ") and json.loads(path.read_text().partition(":")[2]) == key
     # a key given: in the launch arguments (kept there, the user's own command line), or from outside
     assert launch_key(["--api-key", KEY_A], "") == (["--api-key", KEY_A], KEY_A)
     tail, key = launch_key([], KEY_B)

@@ -4,7 +4,7 @@ The key is the one the user gave: `--api-key K` in the launch arguments (their o
 the agent's `--api-key-file PATH`, or LUMEN_SGLANG_API_KEY / LUMEN_SGLANG_API_KEY_FILE in its
 environment. With `--launch` and no key given, the agent generates one. A key the agent adds to a
 launch goes in a 0600 YAML file in a private directory, named by SGLang's own `--config` flag
-(`api_key: K`), never on the server's command line, where `ps` shows it to every user of the host.
+(`api-key: K`), never on the server's command line, where `ps` shows it to every user of the host.
 The agent sends the key on its own requests to the server and reports it to its gateways in Hello
 (over the authenticated control plane), which send it on theirs (gateway/server/workers/server_keys.py).
 """
@@ -61,5 +61,6 @@ def _key_file(key: str) -> Path:
     path = folder / "server.yaml"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"api_key: {json.dumps(key)}\n")  # a JSON string is a YAML string
+        # SGLang turns each key into the flag `--<key>` as written: `api-key`, not `api_key`
+        f.write(f"api-key: {json.dumps(key)}\n")  # a JSON string is a YAML string
     return path
