@@ -32,6 +32,7 @@ from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, work
 from gateway.config import Config, load_config
 from gateway.protocol.launch import EngineSpec
 from gateway.server.api.tokenizer import make_tokenizer
+from gateway.server.local_faults import LaunchRegistry
 from gateway.server.logs import configure_logging
 from gateway.server.runner import announce, stop_event
 
@@ -145,6 +146,10 @@ async def run_placed(spec: PlacedSpec) -> None:
         {w: p.prefix for w, p in spec.workers.items()},
         logs,
     )
+    # signal faults as `lumen cluster up` has them: with cluster.fault_injection, to what we launched
+    launched = LaunchRegistry.create() if config.cluster.fault_injection else None
+    if launched is not None:
+        fleet.launched, workers.launched = launched.path, launched
     try:
         # together: a worker retries its attach (backoff capped at 1 s) until its gateways listen
         await asyncio.gather(fleet.start(), workers.start())
@@ -161,6 +166,8 @@ async def run_placed(spec: PlacedSpec) -> None:
                 "gateway_restarts": [g.starts - 1 for g in fleet.gateways],
             }
         )
+        if launched is not None:
+            launched.remove()
 
 
 def main(argv: list[str] | None = None) -> int:
