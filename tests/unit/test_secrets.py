@@ -86,3 +86,52 @@ def test_the_gateway_always_has_a_token(tmp_path: Path, monkeypatch: pytest.Monk
         load_config(overrides={"gateway.control_token_file": str(path)})
     )
     assert not generated and from_file.gateway.control_token == cfg.gateway.control_token
+
+
+def test_a_token_file_must_be_ours_and_not_a_link(tmp_path: Path) -> None:
+    """Issue 29: owner and mode come from the open file (fstat), the path is opened with O_NOFOLLOW."""
+    real = tmp_path / "real"
+    write_token_file(real, "r" * 43)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(SecretError, match="symbolic link"):
+        read_token_file(link)
+    if os.geteuid() == 0:  # another uid's 0600 file is refused, not only a readable one
+        os.chown(real, 65534, 65534)
+        with pytest.raises(SecretError, match="owned by uid 65534"):
+            read_token_file(real)
+
+
+def test_writing_a_token_never_writes_through_a_planted_file(tmp_path: Path) -> None:
+    """The temporary file has a random name and is created with O_EXCL|O_NOFOLLOW; a link planted at
+    the target itself is replaced by the rename, its target untouched."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    target = tmp_path / "token"
+    target.symlink_to(victim)
+    write_token_file(target, "t" * 43)
+    assert victim.read_text() == "keep me" and not target.is_symlink()
+    assert read_token_file(target) == "t" * 43
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["token", "victim"]  # no temporary left
+
+
+def test_the_admin_key_is_found_in_the_environment_then_the_ports_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.protocol.secrets import admin_headers, admin_key_for, default_admin_key_path, private_dir
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert admin_key_for(8123, {}) is None and admin_headers("http://127.0.0.1:8123", {}) == {}
+    write_token_file(default_admin_key_path(8123), "a" * 43)
+    assert stat.S_IMODE(default_admin_key_path(8123).parent.stat().st_mode) == 0o700
+    assert admin_headers("http://127.0.0.1:8123/admin/workers", {}) == {"Authorization": "Bearer " + "a" * 43}
+    assert admin_key_for(8123, {"LUMEN_ADMIN_API_KEYS": " k1 ,k2"}) == "k1"
+    # a runtime directory that is not a directory of ours is refused
+    bad = tmp_path / "file"
+    bad.write_text("")
+    with pytest.raises(SecretError, match=r"exists|not a directory"):
+        private_dir(bad)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(SecretError, match="not a directory"):  # a link to a directory is refused too
+        private_dir(link)
