@@ -19,13 +19,9 @@ from gateway.core.dispatch import InterruptedRequest, dispatch
 from gateway.server.app import Gateway
 from tests.integration.test_gateway_inprocess import cluster
 
-# Lumen's dispatch rule (threshold); checkpoints off: the in-process workers need no KV planes here
-# θ absolute: a decision's reason shows θ itself (theta_eff = θ)
-OVERRIDES: dict[str, Any] = {
-    "recovery.mode": "lumen",
-    "checkpoint.enabled": False,
-    "recovery.theta_mode": "absolute",
-}
+# Lumen's mode, checkpoints on (the holders' parameters are live too); θ absolute: a decision's reason
+# shows θ itself (theta_eff = θ)
+OVERRIDES: dict[str, Any] = {"recovery.mode": "lumen", "recovery.theta_mode": "absolute"}
 TOML = """
 [recovery]
 mode = "lumen"
@@ -35,9 +31,6 @@ tau = {tau}
 
 [gateway]
 served_model_name = "{name}"
-
-[checkpoint]
-enabled = false
 """
 
 
@@ -154,6 +147,7 @@ async def test_limits_and_levers_change_live() -> None:
         async with http.post("/v1/completions", json=body) as resp:  # the new bound, at once
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"
         assert gw.sessions is not None and gw.sessions.dispatcher.dispatch_params.load.alpha == 0.5
+        assert gw.checkpoints is not None and gw.checkpoints.params.load.alpha == 0.5
         assert gw.monitor.detection.params.phi_fail == 9.0
         assert all(
             w.detector is None or w.detector.params.phi_fail == 9.0 for w in gw.monitor.workers.values()
