@@ -157,3 +157,19 @@ def test_a_small_step_budget_still_gets_every_page_out() -> None:
         assert run.ckpt.planner.stats.deferred_steps > 0
     finally:
         close_run(run)
+
+
+# Found by the real lane (tests/sglang/test_real_checkpoints.py, about 1 run in 15): a request that
+# finished on a step that was also a sweep step lost its END. The sweep looked at it (tracked, not
+# running) after its weak reference had been dropped, took it for gone and closed it as aborted, and
+# the finish then found nothing to END: the holder kept the pages until its orphan TTL.
+def test_a_finish_on_a_sweep_step_still_sends_end() -> None:
+    from tests.fixtures.sglang_plugin_standins import check_run, close_run, decode_run
+    from worker_hooks.sglang.plugin_checkpointer import SWEEP_EVERY
+
+    run = decode_run("cpu", steps=8 * SWEEP_EVERY - 1)  # check_run's finishing step is a sweep step
+    try:
+        check_run(run)
+        assert run.ckpt.planner.stats.aborted == 1  # the one aborted request only
+    finally:
+        close_run(run)

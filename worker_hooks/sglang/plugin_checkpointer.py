@@ -23,7 +23,7 @@ copy once (`KvReader.warm_up`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import Any, Final
 
 import msgspec
@@ -126,6 +126,7 @@ class Checkpointer:
             planner.holder_given_up(rid, endpoint)
         steps: list[ReqStep] = []
         live: dict[Any, Any] = {}
+        ended: set[Any] = set()  # tracked requests this step closes (their steps say how)
         for req in batch.reqs:
             key = req.rid
             tracked = planner.is_tracked(key)
@@ -138,6 +139,7 @@ class Checkpointer:
                 if tracked:
                     steps.append(ReqStep(key, None, None, 0, outcome))
                     self._reqs.pop(key, None)
+                    ended.add(key)
                 continue
             if req.is_retracted or req.kv.req_pool_idx is None:
                 continue  # no KV on the device now; it comes back after its re-prefill
@@ -161,18 +163,21 @@ class Checkpointer:
             live[key] = req
         self._steps += 1
         if self._steps % SWEEP_EVERY == 0:
-            steps.extend(self._sweep(live))
+            steps.extend(self._sweep(live.keys() | ended))
         plan = planner.step(steps, self.shipper.congested())
         for ctl in plan.controls:
             self.shipper.submit(ctl)
         if plan.copies:
             self._stage(plan.copies, live)
 
-    def _sweep(self, live: dict[Any, Any]) -> list[ReqStep]:
-        """Tracked requests not in this batch that ended elsewhere (e.g. in a mixed prefill batch)."""
+    def _sweep(self, seen: Set[Any]) -> list[ReqStep]:
+        """Tracked requests not `seen` in this batch (running, or ending with a step of their own) that
+        ended elsewhere (e.g. in a mixed prefill batch). A request this batch ends is not swept: its
+        weak reference is already dropped, and the sweep would close it as gone before its finish
+        sends END (found by the real lane: a finish on a sweep step lost its END)."""
         out: list[ReqStep] = []
         for key in self.planner.tracked():
-            if key in live:
+            if key in seen:
                 continue
             ref = self._reqs.get(key)
             req = ref() if ref is not None else None
