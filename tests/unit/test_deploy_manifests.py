@@ -490,7 +490,7 @@ def check_gateway_cli(c: Container, argv: list[str], monkeypatch: pytest.MonkeyP
         monkeypatch.setenv(e["name"], c.env_value(e))
     started: list[Any] = []
     monkeypatch.setattr(cli_common, "run_async", lambda coro: started.append(coro))
-    monkeypatch.setattr(runner, "run_gateway", lambda cfg: cfg)
+    monkeypatch.setattr(runner, "run_gateway", lambda cfg, **kw: cfg)  # kw: the SIGHUP loader
     monkeypatch.setattr(fleet_run, "run_fleet", lambda cfg, *a, **kw: cfg)
     monkeypatch.setattr(logs, "configure_logging", lambda *a, **kw: None)
     with captured() as err:
