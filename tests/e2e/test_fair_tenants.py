@@ -30,9 +30,9 @@ async def first_token_s(http: aiohttp.ClientSession, url: str, key: str, body: d
         assert r.status == 200, await r.text()
         async for raw in r.content:
             line = raw.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                if any(c.get("text") for c in json.loads(line[5:])["choices"]):
-                    return time.monotonic() - t0
+            data = line[5:] if line.startswith(b"data:") and line != b"data: [DONE]" else None
+            if data is not None and any(c.get("text") for c in json.loads(data)["choices"]):
+                return time.monotonic() - t0
     raise AssertionError("the stream ended with no token")
 
 

@@ -34,5 +34,5 @@ def test_an_old_stream_id_is_refused_and_a_fresh_one_resumes() -> None:
 
 
 def test_the_ttl_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match="recovery.resume_ttl_s"):
+    with pytest.raises(ConfigError, match=r"recovery\.resume_ttl_s"):
         load_config(overrides={"recovery.resume_ttl_s": 0})
