@@ -36,6 +36,7 @@ from gateway.core.outage import outage_params
 from gateway.core.router import routing_params
 from gateway.server.api.auth import require_admin
 from gateway.server.api.errors import InvalidRequest
+from gateway.server.api.ratelimit import Limits
 from gateway.server.api.routes import CLIENT_API
 from gateway.server.api.schemas import bounds_of
 from gateway.server.recovery.gates import assist_gate, boost_gate
@@ -76,6 +77,9 @@ LIVE: dict[str, str] = {
     "limits.max_concurrent_requests": "limits",
     "limits.sse_keepalive_s": "limits",
     "limits.body_timeout_s": "limits",
+    "limits.per_key_max_concurrent": "limits",
+    "limits.per_key_rate_per_s": "limits",
+    "limits.per_key_burst": "limits",
 }
 
 _NOT_LIVE: dict[str, str] = {
@@ -212,9 +216,19 @@ class LiveConfig:
 
     # -- installing -------------------------------------------------------------------------------
     def _check_installable(self, new: Config) -> None:
-        """What the config allows but a serving gateway cannot take: the outage admission, built at
-        start only when its levers were on, cannot be turned on."""
+        """What the config allows but a serving gateway cannot take: the outage admission and the
+        per-key limiter, built at start only when they were on, cannot be turned on."""
         gw = self.gw
+        lim = new.limits
+        if self.app is not None and self.app[CLIENT_API].limiter is None:
+            for key, value in (
+                ("limits.per_key_max_concurrent", lim.per_key_max_concurrent),
+                ("limits.per_key_rate_per_s", lim.per_key_rate_per_s),
+            ):
+                if value:
+                    raise ConfigError(
+                        key, value, "per-key limits were off at start: turning them on needs a restart"
+                    )
         if gw.levers.admission is None and gw.policy.outage_admission:
             r = new.recovery
             if r.outage_batch_boost > 1 or r.outage_shortest_first:
@@ -268,6 +282,11 @@ class LiveConfig:
             api.config = new
             api.bounds = bounds_of(new, api.tokenizer.vocab_size)
             api.openapi.clear()  # /openapi.json is built again from the new bounds
+            if api.limiter is not None:  # read on every admission
+                lim = new.limits
+                api.limiter.limits = Limits(
+                    lim.per_key_max_concurrent, lim.per_key_rate_per_s, lim.per_key_burst
+                )
         gw.config = new
 
     def _publish(self) -> None:

@@ -183,3 +183,19 @@ async def test_cluster_config_set_applies_to_every_gateway(capsys: Any) -> None:
         assert await asyncio.to_thread(cmd_cluster_status, argparse.Namespace(port=ports[0])) == 0
         status = capsys.readouterr().out
         assert "config generation 2: recovery.theta=3.5 recovery.tau=100" in status
+
+
+async def test_per_key_limits_change_live_where_they_were_on() -> None:
+    async with cluster(1, **OVERRIDES, **{"limits.per_key_rate_per_s": 1000.0}) as (gw, _workers, http):
+        status, body = await post_config(http, gw, {"limits.per_key_max_concurrent": 1})
+        assert status == 200, body
+        slow = {"prompt": "hold", "max_tokens": 300, "stream": True}
+        async with http.post("/v1/completions", json=slow) as first:  # one in flight for this client
+            assert first.status == 200
+            async with http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as second:
+                assert second.status == 429  # the new limit, at once
+            await first.read()
+    async with cluster(1, **OVERRIDES) as (gw, _workers, http):  # off at start: cannot be turned on
+        status, body = await post_config(http, gw, {"limits.per_key_rate_per_s": 5.0})
+        assert status == 400 and body["error"]["param"] == "limits.per_key_rate_per_s", body
+        assert gw.live.generation == 1

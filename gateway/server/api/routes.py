@@ -56,6 +56,7 @@ from gateway.server.api.formats import NativeFormat, OpenAIFormat
 from gateway.server.api.generation import Choices, Generation
 from gateway.server.api.jobs import GenerateJob, Generator, Sampling
 from gateway.server.api.openapi import ClientRoute, document
+from gateway.server.api.ratelimit import KeyLimiter
 from gateway.server.api.respond import REPLAY_HEADER, json_response, respond
 from gateway.server.api.resume import LAST_EVENT_ID, ResumePoint, StreamIds, draw_seed, resume_point
 from gateway.server.api.schemas import bounds_of, check_prompt_length
@@ -86,6 +87,9 @@ class ClientApi:
     replay_note: Callable[[bool], str | None] | None = None
     # the traffic trace (gateway.record_trace; trace_recorder.py), or None
     recorder: TraceRecorder | None = None
+    # the per-key limiter the admission guard uses (None: no per-key limit at start); its limits are
+    # replaced by a live change (server/live_config.py)
+    limiter: KeyLimiter | None = None
 
     def replay_headers(self, s: SamplingRequest) -> dict[str, str]:
         """`Lumen-Replay: not-reproducible; reason=...` for a sampled request where a live server
@@ -232,7 +236,8 @@ def add_client_routes(
                 api.recorder.close()
 
         app.on_cleanup.append(close_trace)
-    guarded = guard(config.gateway.api_keys, limiter_of(config.limits))
+    api.limiter = limiter_of(config.limits)
+    guarded = guard(config.gateway.api_keys, api.limiter)
     for method, path, handler, body in (
         ("POST", "/v1/completions", completions, "completion"),
         ("POST", "/v1/chat/completions", chat_completions, "chat"),
