@@ -55,6 +55,8 @@ PROMPTS = [f"Stream {i}: the keeper watched the sea from the lighthouse every ni
 GATEWAY_SETTINGS = [
     "--set", "timeouts.control_stop_grace_s=0.05",
     "--set", 'gateway.log_level="info"',
+    # `lumen cluster kill` signals servers only on clusters started for testing (issue 29)
+    "--set", "cluster.fault_injection=true",
 ]  # fmt: skip
 SECRET = {"LUMEN_CONTROL_TOKEN": "real-sglang-agent-cluster-test-secret"}
 
