@@ -20,7 +20,7 @@ import structlog
 from gateway.cluster.fleet import GatewayFleet, healthy_everywhere
 from gateway.cluster.sglang import Checkpoints, SGLangCluster, SGLangLaunch, agent_specs
 from gateway.cluster.supervisor import LocalCluster, synthetic_token_range, worker_specs
-from gateway.config import Config
+from gateway.config import Config, recovery_policy
 from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import policy_for
 from gateway.protocol.secrets import default_admin_key_path
@@ -115,6 +115,8 @@ async def run_fleet(
                 stop_grace_s=config.timeouts.shutdown_grace_s,
                 page_size=config.engine.page_size,
                 peer_reload=config.engine.reload is ReloadSource.PEER,
+                draft_model=config.sglang.draft_model if recovery_policy(config).draft_assist else "",
+                draft_timeout_ms=config.draft.draft_timeout_ms,
             )
             cluster, n = (
                 SGLangCluster(

@@ -182,12 +182,14 @@ def agent_specs(
     stop_grace_s: float = 5.0,
     page_size: int = DEFAULT_PAGE_SIZE,
     peer_reload: bool = False,
+    draft_model: str = "",
+    draft_timeout_ms: float = 1000.0,
 ) -> list[AgentSpec]:
     """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: `--device cpu`
     or a stand-in launcher) `launch.workers` or `default_workers` agents, devices left alone. Every
     agent attaches to `control_address` and each of `more_control_addresses` (one per gateway) and
     launches its server at `page_size` (the gateway's engine.page_size) unless the launch arguments
-    give one. Unless `peer_reload` (the gateway's engine.reload = "peer"), agents do not wait for a seed
+    give one; with `draft_model` each agent drafts with it while a server it relaunched loads. Unless `peer_reload` (the gateway's engine.reload = "peer"), agents do not wait for a seed
     before a relaunch (`--seed-wait-s 0`): the gateway names none. With `checkpoints` every server runs Lumen's HiCache storage backend under its worker id
     (`hicache_args`), except on CPU, where SGLang's HiCache cannot start (`CPU_NO_HICACHE`): there the
     servers run without it, and the log says so."""
@@ -209,6 +211,11 @@ def agent_specs(
             *("--stop-grace-s", f"{stop_grace_s:g}", "--page-size", str(page_size), "--launch"),
             *(() if restart else ("--no-restart",)),
             *(() if peer_reload else ("--seed-wait-s", "0")),
+            *(
+                ("--draft-model", draft_model, "--draft-timeout-ms", f"{draft_timeout_ms:g}")
+                if draft_model
+                else ()
+            ),
             "--",
             *("--model-path", launch.model, "--tp-size", str(launch.tp)),
             *launch.extra,

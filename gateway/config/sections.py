@@ -395,6 +395,10 @@ class SGLangSection:
     workers: tuple[SGLangWorker, ...] = ()
     # the gateway polls each server's /ready and /v1/loads this often; the answers are its heartbeats
     poll_interval_ms: int = 50
+    # `lumen cluster up --engine sglang`: a small model sharing the servers' tokenizer (a Hugging Face
+    # folder) each agent drafts with while a server it relaunched loads, in modes with draft assist
+    # (worker_hooks/sglang/agent_draft.py); "": no drafting
+    draft_model: str = ""
 
 
 @dataclass(frozen=True, slots=True)

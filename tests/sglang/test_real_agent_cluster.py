@@ -373,3 +373,98 @@ def first_difference(got: str, want: str) -> str:
     """Where two texts part, with some context either side (for the assertion's message)."""
     i = next((k for k, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), min(len(got), len(want)))
     return f"at char {i} of {len(want)}: got {got[max(0, i - 20) : i + 20]!r}, want {want[max(0, i - 20) : i + 20]!r}"
+
+
+async def test_cluster_up_with_a_draft_model_the_relaunching_agent_drafts_for_the_survivor_exactly(
+    tmp_path: Path,
+) -> None:
+    """`lumen cluster up --engine sglang --mode lumen --set sglang.draft_model=DRAFT` on CPU: w0's server
+    is killed -9; while its agent relaunches it, the agent loads the real draft model (the lane's tiny
+    draft: same tokenizer and cycle), its sessions report DRAFT_READY, and the gateway pairs that drafter
+    with w1 and verifies its drafts on w1 (gateway-level verification). Drafts are accepted, every
+    stream equals SGLang's own greedy answer, and the pair ends when w0 serves again."""
+    models = tiny_models()
+    target, draft = models["target"], models["draft"]
+    argv = [
+        "--engine", "sglang", "--workers", "2", "--model", str(target), "--mode", "lumen",
+        "--port", str(free_port()),
+        "--set", f'sglang.draft_model="{draft}"',
+        # the pairing mechanics, not when it pays: the gate would not pair at this light load, and a CPU
+        # drafter on a busy 2-core machine needs more than the 30 ms a GPU drafter gets
+        "--set", "draft.assist_gate=false", "--set", "draft.draft_timeout_ms=2000",
+        "--", *CPU_ARGS,
+    ]  # fmt: skip
+    async with (
+        real_cluster(tmp_path, *argv) as ready,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http,
+    ):
+        url = ready["url"]
+        await workers_when(http, url, lambda ws: [w["state"] for w in ws] == ["HEALTHY"] * 2, 60)
+        ws = {w["id"]: w for w in await admin(http, url, "GET", "/admin/workers")}
+        os.killpg(ws["w0"]["pid"], signal.SIGKILL)
+        await events_to(http, url, "w0", "FAILED")
+        # load on the survivor until w0 serves again: greedy streams, some of them assisted
+        done: list[tuple[str, list[int]]] = []
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            i = 0
+            while not stop.is_set():
+                batch = [f"Draft-assisted request {i + j}: the keeper watched the sea." for j in range(4)]
+                got = await asyncio.gather(
+                    *(stream_generate(http, greedy(p, 64), [], url=url) for p in batch)
+                )
+                done.extend(zip(batch, got, strict=True))
+                i += len(batch)
+
+        loader = asyncio.create_task(load())
+        try:
+            paired = await until_assist(http, url, lambda e: e["drafter"] == "w0" and e["started"], 180)
+            assert paired["target"] == "w1"
+            async with asyncio.timeout(120):  # the load runs until drafts were verified and accepted
+                while (await verified_drafts(http, url)).get(("w1", "accepted"), 0) == 0:
+                    await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await asyncio.wait_for(loader, 240)
+        await workers_when(
+            http,
+            url,
+            lambda wl: any(
+                w["id"] == "w0" and w["state"] == "HEALTHY" and w["incarnation"] > ws["w0"]["incarnation"]
+                for w in wl
+            ),
+            START_S,
+        )
+        ended = await until_assist(http, url, lambda e: e["drafter"] == "w0" and not e["started"], 30)
+        assert ended["target"] == "w1"
+        verified = await verified_drafts(http, url)
+        assert verified[("w1", "proposed")] >= verified[("w1", "accepted")] > 0, verified
+        w1 = ws["w1"]["url"]
+        refs = await asyncio.gather(*(direct(w1, greedy(prompt, 64)) for prompt, _ in done))
+        for (prompt, ids), ref in zip(done, refs, strict=True):
+            assert ids == ref, f"{prompt!r} differs from SGLang's own answer"
+        print(f"\ndraft assist from a relaunching agent: {len(done)} streams exact, verified {verified}")
+
+
+async def until_assist(http: aiohttp.ClientSession, url: str, pred: Any, within: float) -> dict[str, Any]:
+    async with asyncio.timeout(within):
+        while True:
+            events = (await admin(http, url, "GET", "/admin/assist"))["events"]
+            hits = [e for e in events if pred(e)]
+            if hits:
+                return hits[0]
+            await asyncio.sleep(0.1)
+
+
+async def verified_drafts(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    """`lumen_gateway_verified_drafts{target, outcome}` from the gateway's /metrics."""
+    async with http.get(f"{url}/metrics") as r:
+        text = await r.text()
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if line.startswith("lumen_gateway_verified_drafts_total{"):
+            labels, value = line[len("lumen_gateway_verified_drafts_total{") :].split("} ")
+            kv = dict(part.split("=", 1) for part in labels.split(","))
+            out[(kv["target"].strip('"'), kv["outcome"].strip('"'))] = float(value)
+    return out

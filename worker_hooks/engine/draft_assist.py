@@ -34,7 +34,7 @@ class Assist:
         self.worker_id = worker_id
         self.cost = cost
         self.auth = auth
-        self.drafter = DrafterRole(spec, worker_id, auth=auth) if drafter else None
+        self.drafter = DrafterRole.for_spec(spec, worker_id, auth=auth) if drafter else None
         # the draft model's cost model, for choosing k: the same draft preset on every worker
         self.draft_cost: CostModel | None = None
         if self.drafter is not None:

@@ -61,42 +61,80 @@ class _LoadingGate:
 
 
 class DrafterRole:
-    def __init__(self, spec: EngineSpec, worker_id: str, *, auth: Security) -> None:
-        self.worker_id = worker_id
-        self.cost = CostModel.preset(spec.draft_model, spec.gpu)
-        drafter: DraftModel
-        time_scale = spec.time_scale
-        self._thread: ThreadPoolExecutor | None = None
-        if spec.backend == "torch":
-            from draft_models.torch_drafter import TorchDrafter  # torch only where it is used
+    """A drafter on the draft plane: `model` proposes once `set_ready` (module docstring). Lumen's engine
+    builds one from its launch spec (`for_spec`); the SGLang agent builds one over a real draft model
+    (worker_hooks/sglang/agent_draft.py)."""
 
-            # its model arrives with set_model; a real model takes real time, nothing is modelled
-            self.torch_drafter: TorchDrafter | None = TorchDrafter()
-            drafter, time_scale = self.torch_drafter, 0.0
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{worker_id}")
-        else:
-            # the same model seed and token range as the target: agreeing drafts are the target's tokens
-            self.torch_drafter = None
-            drafter = SyntheticDrafter(
-                spec.draft_agreement,
-                model_seed=spec.model_seed,
-                token_lo=spec.token_lo,
-                token_hi=spec.token_hi,
-            )
-        self._gate = _LoadingGate(drafter)
+    def __init__(
+        self,
+        worker_id: str,
+        model: DraftModel,
+        *,
+        auth: Security,
+        host: str,
+        draft_timeout_ms: float,
+        cost: CostModel | None = None,
+        time_scale: float = 0.0,
+        torch_drafter: TorchDrafter | None = None,
+        thread: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """`torch_drafter`: `model` when it is one (its weights arrive with `set_model`); `thread`: where
+        proposals run (a real model's forward passes, off the event loop); `cost` and `time_scale`: the
+        modelled time of a synthetic draft model (0: none)."""
+        self.worker_id = worker_id
+        self.cost = cost
+        self.torch_drafter = torch_drafter
+        self._thread = thread
+        self._gate = _LoadingGate(model)
         self._server = DrafterServer(
             self._gate,
-            f"tcp://{spec.host}:0",
+            f"tcp://{host}:0",
             auth=auth,
-            cost=self.cost,
+            cost=cost,
             time_scale=time_scale,
-            thread=self._thread,
+            thread=thread,
         )
-        self.quiet_s = max(0.02, spec.draft_timeout_ms / 1000.0)
+        self.quiet_s = max(0.02, draft_timeout_ms / 1000.0)
         self.endpoint = ""  # "" before start and after retirement
         self.peers: set[str] = set()  # targets the gateway paired us with
         self._unpaired = asyncio.Event()
         self._unpaired.set()
+
+    @classmethod
+    def for_spec(cls, spec: EngineSpec, worker_id: str, *, auth: Security) -> DrafterRole:
+        """The drafter of a restarting Lumen worker: its launch spec's draft model (synthetic, or torch)."""
+        cost = CostModel.preset(spec.draft_model, spec.gpu)
+        if spec.backend == "torch":
+            from draft_models.torch_drafter import TorchDrafter  # torch only where it is used
+
+            # its model arrives with set_model; a real model takes real time, nothing is modelled
+            drafter = TorchDrafter()
+            return cls(
+                worker_id,
+                drafter,
+                auth=auth,
+                host=spec.host,
+                draft_timeout_ms=spec.draft_timeout_ms,
+                cost=cost,
+                torch_drafter=drafter,
+                thread=ThreadPoolExecutor(1, thread_name_prefix=f"drafter-{worker_id}"),
+            )
+        # the same model seed and token range as the target: agreeing drafts are the target's tokens
+        synthetic = SyntheticDrafter(
+            spec.draft_agreement,
+            model_seed=spec.model_seed,
+            token_lo=spec.token_lo,
+            token_hi=spec.token_hi,
+        )
+        return cls(
+            worker_id,
+            synthetic,
+            auth=auth,
+            host=spec.host,
+            draft_timeout_ms=spec.draft_timeout_ms,
+            cost=cost,
+            time_scale=spec.time_scale,
+        )
 
     @property
     def ready(self) -> bool:
@@ -144,8 +182,10 @@ class DrafterRole:
         self._unpaired.set()
 
     # -- retirement -----------------------------------------------------------------------------
-    async def retire(self, linger_s: float = LINGER_S) -> None:
-        """The full model serves: finish the pairs and the rounds in flight, then close."""
+    async def retire(self, linger_s: float = LINGER_S, *, close: bool = True) -> None:
+        """The full model serves: finish the pairs and the rounds in flight, then close (or, with
+        `close=False`, keep the socket and drop the draft model: a drafter that drafts again at the
+        next restart, as the SGLang agent's)."""
         try:
             await asyncio.wait_for(self._unpaired.wait(), linger_s)
         except TimeoutError:
@@ -159,8 +199,17 @@ class DrafterRole:
             await asyncio.sleep(QUIET_POLL_S)
             if self._server.stats.messages != seen:
                 seen, quiet_since = self._server.stats.messages, loop.time()
-        await self.close()
+        if close:
+            await self.close()
+        else:
+            self.unload()
         log.info("drafter retired", worker_id=self.worker_id, drafted=self._server.stats.drafted)
+
+    def unload(self) -> None:
+        """Propose nothing from now on and let the draft model go (the socket stays bound)."""
+        self._gate.loaded = False
+        self.set_model(None)
+        self.forget_pairs()
 
     async def close(self) -> None:
         await self._server.close()

@@ -2,14 +2,15 @@
 
     python -m worker_hooks.sglang --url http://127.0.0.1:30000 --gateway 127.0.0.1:50151 [--gateway ...]
         [--id ID] [--tp N] [--seed-wait-s 2] [--seed-timeout-s 300] [--weights-group-ports P0,P1,...]
-        [--page-size 64] [--launch -- <sglang launch_server args>]
+        [--page-size 64] [--draft-model DIR] [--launch -- <sglang launch_server args>]
 
 Without `--launch` the server is someone else's: the agent only watches it. With `--launch` the agent
 starts `python -m sglang.launch_server ARGS` with its own interpreter, so it runs from SGLang's Python
 environment (plus the flags Lumen needs, `--page-size` when ARGS give none, and on `--device cpu` the
 CPU environment; see launcher.py), restarts it when it dies (unless `--no-restart`: then the agent exits
 1 once it died), and stops it on exit.
-`LUMEN_SGLANG_LAUNCHER` replaces the launcher command (a testing hook: launcher.py).
+`LUMEN_SGLANG_LAUNCHER` replaces the launcher command (a testing hook: launcher.py). With `--draft-model
+DIR` the agent drafts with that model while a server it relaunched loads (agent_draft.py).
 
 Seeded reload (with `--launch`; agent_reload.py): after the server died, the agent waits up to `--seed-wait-s`
 for a gateway to name a running server of the same model and TP, and relaunches loading the weights from
@@ -194,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="--launch: the server's --page-size when the launch arguments give none: the gateway's "
         f"engine.page_size (default {DEFAULT_PAGE_SIZE}; 0: SGLang's own). Reported to the gateway",
     )
+    p.add_argument(
+        "--draft-model",
+        default="",
+        metavar="DIR",
+        help="--launch: a small model sharing the server's tokenizer (a Hugging Face folder): while a "
+        "relaunched server loads, the agent drafts with it for the survivor the gateway pairs it with",
+    )
+    p.add_argument("--draft-device", default="cpu", help="torch device of --draft-model (default: cpu)")
+    p.add_argument(
+        "--draft-timeout-ms",
+        type=float,
+        default=1000.0,
+        help="how long the gateway waits for a draft round (its draft.draft_timeout_ms)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -223,6 +238,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--no-restart needs --launch")
     if args.page_size < 0:
         parser.error(f"--page-size must be >= 0, not {args.page_size}")
+    if args.draft_model and not args.launch:
+        parser.error("--draft-model needs --launch (the agent drafts while a server it relaunched loads)")
+    if args.draft_model and not os.path.isfile(os.path.join(args.draft_model, "config.json")):
+        parser.error(
+            f"--draft-model {args.draft_model!r}: no config.json there (a Hugging Face model folder)"
+        )
+    if args.draft_timeout_ms <= 0:
+        parser.error(f"--draft-timeout-ms must be > 0, not {args.draft_timeout_ms}")
     if args.held_batch is not None and args.held_batch < 1:
         parser.error(f"--held-batch must be >= 1, not {args.held_batch}")
     if args.log_level.upper() not in logging.getLevelNamesMapping():
@@ -350,6 +373,9 @@ def configure(args: argparse.Namespace, tail: list[str]) -> tuple[SidecarConfig,
         held_batch=held,
         page_size=page_size_of(tail),
         api_key=api_key,
+        draft_model=args.draft_model,
+        draft_device=args.draft_device,
+        draft_timeout_ms=args.draft_timeout_ms,
     )
     return cfg, launch
 

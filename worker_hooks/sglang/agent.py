@@ -48,13 +48,15 @@ from gateway.core.polls import (
     poll_verdict,
     prime,
 )
+from gateway.protocol.planes import PlaneAuth
 from gateway.protocol.sglang import SGLangLoads
 from worker_hooks.control import ControlClient
 from worker_hooks.sglang.agent_config import SidecarConfig
+from worker_hooks.sglang.agent_draft import RestartDrafter
 from worker_hooks.sglang.agent_reload import Reloader
 from worker_hooks.sglang.agent_role import SGLangRole
 from worker_hooks.sglang.holder_report import HolderPoller, HolderReport
-from worker_hooks.sglang.launcher import ServerExit, ServerProcess, cpu_environment
+from worker_hooks.sglang.launcher import ServerExit, ServerProcess, cpu_environment, host_port
 from worker_hooks.sglang.plane_file import ServerPlanes
 from worker_hooks.sglang.server_http import Probe, ServerHttp
 
@@ -120,6 +122,18 @@ class Sidecar:
                 on_exit=self._server_exited,
                 next_command=self.reloader.next_command,
             )
+        # with a draft model, the drafter of its relaunches (agent_draft.py); bound at start
+        self.drafter: RestartDrafter | None = None
+        if cfg.draft_model and launch is not None and restart:
+            self.drafter = RestartDrafter(
+                cfg.worker_id,
+                cfg.draft_model,
+                auth=PlaneAuth(self.planes.keys, self.planes.members),
+                host=host_port(cfg.url)[0],
+                device=cfg.draft_device,
+                draft_timeout_ms=cfg.draft_timeout_ms,
+                emit=self.emit,
+            )
         self.server_pid: int | None = None
         self.exited = asyncio.Event()  # the launched server exited and will not be restarted
         self._signal = asyncio.Event()  # set (and replaced) by every emit
@@ -131,6 +145,8 @@ class Sidecar:
         if self.http.is_open:
             raise RuntimeError("sidecar already started")
         self.http.open()
+        if self.drafter is not None:
+            await self.drafter.start()  # bound before the first Hello, which names its endpoint
         if self.server is not None:
             await self.server.spawn()  # first, so the first Hello names its pid
             self._tasks.append(asyncio.create_task(self._run_server(), name="sglang-server"))
@@ -155,6 +171,8 @@ class Sidecar:
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.http.close()
+        if self.drafter is not None:
+            await self.drafter.close()
         if self.holders is not None:
             self.holders.close()
         self.planes.close()
@@ -168,6 +186,8 @@ class Sidecar:
         self.up = False
         self.loads = None
         self.holder = None
+        if self.drafter is not None and self.server is not None:
+            self.drafter.relaunching()  # before the sessions end: their next Hello says LOADING_DRAFT
         if self.holders is not None:
             self.holders.forget()
         ended = sum(c.end_session(reason) for c in self.clients)
@@ -245,6 +265,8 @@ class Sidecar:
                         det, earlier = HeartbeatDetector(clock.params(rule), answered), det
                         prime(det, answered, earlier)
                         self.up = True
+                        if self.drafter is not None:
+                            self.drafter.served()
                         self.emit("server_ready")
                         if self.server_pid is not None and not self.reloader.attempt.ready:
                             self.reloader.ready()

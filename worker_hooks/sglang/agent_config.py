@@ -46,6 +46,11 @@ class SidecarConfig:
     page_size: int = 0
     # the server's API key (server_key.py): sent on the agent's requests to it and in Hello; "": none
     api_key: str = field(default="", repr=False)
+    # a draft model (Hugging Face folder, the target's tokenizer) the agent drafts with while the server
+    # it relaunched loads (agent_draft.py); "": no drafting. On `draft_device` (torch's name)
+    draft_model: str = ""
+    draft_device: str = "cpu"
+    draft_timeout_ms: float = 1000.0  # the gateway's draft.draft_timeout_ms: a round's answer time
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -62,6 +67,8 @@ class SidecarConfig:
             raise ValueError(f"holder_shards must be >= 0, not {self.holder_shards}")
         if self.seed_wait_s < 0 or self.seed_timeout_s <= 0:
             raise ValueError("seed_wait_s must be >= 0 and seed_timeout_s > 0")
+        if self.draft_timeout_ms <= 0:
+            raise ValueError(f"draft_timeout_ms must be > 0, not {self.draft_timeout_ms}")
         if self.weights_group_ports and len(self.weights_group_ports) < self.tp:
             raise ValueError(
                 f"{len(self.weights_group_ports)} weights group port(s) for tp {self.tp}: one per TP rank"

@@ -5,11 +5,13 @@ the `Sidecar` (agent.py), shared by every gateway's session.
 - Hello says `engine = "sglang"` and `http_url = url` (the gateway then speaks SGLang's own `/generate`
   to it), the server's pid when the agent launched it, and its capacity from the last `/v1/loads`;
   the incarnation is time-based (microseconds) and strictly increasing across the agent's restarts;
+  with a draft model, the endpoint of the agent's drafter (agent_draft.py);
 - Hello's `plane_key` is the server's CURVE key, which the agent holds (plane_file.py); the gateways'
   `Members` go into the server's plane file;
 - heartbeats carry the server's load: running, waiting and KV tokens used, summed over DP ranks, from
   the sidecar's last `/v1/loads` answer; the phase is LOADING_FULL until `/ready` answers 200, then
-  SERVING (DRAINING once the gateway says Drain);
+  SERVING (DRAINING once the gateway says Drain); a relaunch with a draft model is LOADING_DRAFT, then
+  DRAFT_READY (the agent drafts for the survivor the gateway pairs it with) until the server serves;
 - with Lumen's storage backend in the server, heartbeats also report its holder stores as Lumen's own
   workers report theirs: bytes used, tokens held, and the durable tokens of each request held (those
   that changed since the previous beat, all of them in a session's first beat);
@@ -61,7 +63,9 @@ class SGLangRole:
 
     def phase(self) -> pb.Phase:
         if not self.sidecar.up:
-            return pb.LOADING_FULL
+            drafter = self.sidecar.drafter
+            draft_phase = drafter.phase() if drafter is not None else None
+            return draft_phase if draft_phase is not None else pb.LOADING_FULL
         return pb.DRAINING if self.draining else pb.SERVING
 
     def hello(self) -> pb.Hello:
@@ -86,6 +90,9 @@ class SGLangRole:
             # each gateway holds its share: together they keep the server to its batch
             held_batch=max(1, cfg.held_batch // len(cfg.gateways)) if cfg.held_batch else 0,
             api_key=cfg.api_key,  # the gateways send it on their requests to the server
+            # the drafter of a relaunch (agent_draft.py), bound for the agent's life
+            draft_endpoint=s.drafter.endpoint if s.drafter is not None else "",
+            draft_model=cfg.draft_model if s.drafter is not None else "",
         )
 
     def heartbeat(self, seq: int, *, full: bool) -> pb.Heartbeat:
@@ -119,7 +126,10 @@ class SGLangRole:
         return beat
 
     def welcomed(self, welcome: pb.Welcome) -> None:
-        """Nothing to take from a Welcome: the server's relaunch plan is the agent's (agent_reload)."""
+        """The server's relaunch plan is the agent's (agent_reload); a Welcome only says whether its
+        drafter should draft for this relaunch (`skip_draft`: the gateway's assist gate)."""
+        if welcome.skip_draft and self.sidecar.drafter is not None:
+            self.sidecar.drafter.skip()
 
     def command(self, msg: pb.GatewayMessage) -> None:
         kind = msg.WhichOneof("body")
@@ -130,8 +140,11 @@ class SGLangRole:
             self.sidecar.planes.update(self, msg.members)  # the server's plane file follows
         elif kind == "reload_from":
             self.sidecar.reloader.offer_seed(msg.reload_from.seed_worker_id, msg.reload_from.seed_url)
+        elif self.sidecar.drafter is not None and self.sidecar.drafter.command(msg):
+            pass  # draft assist: the relaunch's drafter was paired or unpaired
         else:
-            # holder assignment and draft assist need Lumen's engine; a DropCheckpoint for the server's
+            # holder assignment needs Lumen's engine, an SGLang target's assist is the gateway's
+            # (gateway-level verification); a DropCheckpoint for the server's
             # holder stores is not forwarded (the writer's END or the stores' orphan TTL frees the pages)
             log.info("command ignored: not for an SGLang server", worker_id=self.worker_id, command=kind)
 
