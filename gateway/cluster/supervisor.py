@@ -37,6 +37,7 @@ from gateway.protocol.faults import FAULT_SIGNALS
 from gateway.protocol.launch import EngineSpec, worker_env
 from gateway.server.api.errors import NotFound
 from gateway.server.local_faults import LaunchRegistry
+from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.workers.monitor import LoadMonitor, StateEvent
 
 log = structlog.get_logger("lumen.cluster")
@@ -139,10 +140,11 @@ class LocalCluster:
         self._monitor: LoadMonitor | None = None
         self._hung_checks: set[asyncio.TimerHandle] = set()
 
-    def follow(self, monitor: LoadMonitor) -> None:
-        """Watch the gateway's verdicts: restart workers that stay FAILED by silence (module doc)."""
-        self._monitor = monitor
-        monitor.on_state_change.append(self._on_state_change)
+    def follow(self, coordinator: RecoveryCoordinator) -> None:
+        """Watch the verdicts of a gateway in this process: restart workers that stay FAILED by silence
+        (module doc). Its recovery coordinator tells each failure, as its last step."""
+        self._monitor = coordinator.monitor
+        coordinator.supervisor = self.worker_failed
 
     async def start(self) -> None:
         for wp in self.workers.values():
@@ -176,7 +178,7 @@ class LocalCluster:
         return {"worker": worker_id, "pid": pid, "mode": mode, "t": time.time()}
 
     # -- hung workers ----------------------------------------------------------------------------
-    def _on_state_change(self, ev: StateEvent) -> None:
+    def worker_failed(self, ev: StateEvent) -> None:
         grace = self.hung_restart_grace_s
         if ev.dst is not WorkerState.FAILED or grace <= 0 or not self.restart_killed or self._stopping:
             return

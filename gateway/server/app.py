@@ -18,8 +18,8 @@ from gateway.core.dispatch import DispatchParams
 from gateway.core.evaluation import holder_balance
 from gateway.core.health import WorkerState
 from gateway.core.holders import HolderParams
-from gateway.core.outage import admission_limit, outage_params
-from gateway.core.pairing import PairingParams, draft_first_pays, with_batch_limit, with_load_shape
+from gateway.core.outage import outage_params
+from gateway.core.pairing import PairingParams
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
 from gateway.protocol.generate import EngineKind
@@ -42,6 +42,7 @@ from gateway.server.control_secret import (
 from gateway.server.live_config import LiveConfig, add_config_routes
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import GatewayVerifier
+from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.recovery.gates import assist_gate, boost_gate
 from gateway.server.recovery.levers import OutageLevers
 from gateway.server.recovery.pairing import DraftCoordinator
@@ -51,7 +52,7 @@ from gateway.server.request_metrics import request_metrics_middleware
 from gateway.server.sessions import SessionManager
 from gateway.server.workers.control import ControlService, start_control_server
 from gateway.server.workers.fences import FenceLedger
-from gateway.server.workers.monitor import LoadMonitor, StateEvent
+from gateway.server.workers.monitor import LoadMonitor
 from gateway.server.workers.server_info import ServerInfoReader
 from gateway.server.workers.server_keys import ServerKeys
 from gateway.server.workers.sglang import SGLangPoller, SGLangTarget
@@ -81,7 +82,6 @@ class Gateway:
             record_retention_s=config.health.record_retention_s,
             fences=self.fences,
         )
-        self.monitor.on_state_change.append(self._on_state_change)
         self.control = ControlService(
             self.monitor,
             token=config.gateway.control_token,
@@ -111,6 +111,7 @@ class Gateway:
             tau=r.tau,
         )
         self.checkpoints: CheckpointManager | None = None
+        self.rehoming: Rehoming | None = None
         if self.policy.checkpointing:
             self.checkpoints = CheckpointManager(
                 monitor=self.monitor,
@@ -124,11 +125,8 @@ class Gateway:
                 kv_bytes_per_token=self.cost.model.kv_bytes_per_token,
                 metrics=self.metrics,
             )
-            self.control.heartbeat_hooks.append(self.checkpoints.on_heartbeat)
             # a dead holder's checkpoints get new holders (the recovery coordinator's re-homing)
-            self.rehoming = Rehoming(
-                monitor=self.monitor, checkpoints=self.checkpoints, control=self.control, metrics=self.metrics
-            )
+            self.rehoming = Rehoming(checkpoints=self.checkpoints, control=self.control, metrics=self.metrics)
         self.assist: DraftCoordinator | None = None
         if self.policy.draft_assist:
             self.assist = DraftCoordinator(
@@ -156,10 +154,22 @@ class Gateway:
             gate=boost_gate(config, self.cost),  # the boost where it pays for the load's shape
         )
         self.outage = self.levers.admission
-        self.levers.boost_hooks.append(self._boosted)
+        # the recovery coordinator: the one listener of the workers' state changes, attaches and
+        # heartbeats; what a failure sets off, and in what order, is written there
+        self.coordinator = RecoveryCoordinator(
+            monitor=self.monitor,
+            control=self.control,
+            metrics=self.metrics,
+            reload=self.reload,
+            checkpoints=self.checkpoints,
+            rehoming=self.rehoming,
+            levers=self.levers,
+            assist=self.assist,
+            base_batch=config.engine.max_running_requests,
+        )
         # a restart loading its draft model first goes on only if drafting pays for the full model's
         # later start (the simulator's rule, `Coordinator.assist_wanted`); without draft assist, never
-        self.control.draft_first = self._draft_first
+        self.control.draft_first = self.coordinator.draft_first
         self.sglang: SGLangPoller | None = None
         self.server_info: ServerInfoReader | None = None
         # draft assist on SGLang targets: the gateway verifies the drafts itself
@@ -223,13 +233,14 @@ class Gateway:
             verifier=self.verifier,
         )
         self.sessions.levers = self.levers
-        self.sessions.dispatcher.resume_hooks.append(self.levers.on_resume)
+        self.sessions.dispatcher.resume_hooks.append(self.coordinator.begin_recovery)
         # one estimate of the load's shape, fed by the sessions: the draft-assist and boost gates'
         self.levers.set_shape(self.sessions.load_shape)
         if self.assist is not None:
             self.assist.shape = self.sessions.load_shape
         # which SGLang servers order their queue by priority (their /server_info)
         self.server_info = ServerInfoReader(self.monitor, self._http)
+        self.coordinator.server_info = self.server_info
         self._detector = asyncio.create_task(self.monitor.run_detector(), name="failure-detector")
         sg = self.config.sglang
         if sg.workers:  # agentless SGLang servers: the gateway attaches and polls them itself
@@ -245,7 +256,7 @@ class Gateway:
                 poll_interval_s=sg.poll_interval_ms / 1000,
                 misses=self.config.health.heartbeat_misses,
             )
-            self.sglang.heartbeat_hooks.append(lambda _rec: self.levers.tick())  # polls are heartbeats
+            self.coordinator.follow_polls(self.sglang)  # polls are heartbeats
             self.sglang.start()
         if self.assist is not None:
             # re-pair at a few heartbeat intervals: loads move slowly, pairs should not flap
@@ -385,25 +396,3 @@ class Gateway:
         `sglang_rid` (sessions.py `_attempt`)."""
         w = self.monitor.workers.get(worker_id) if worker_id is not None else None
         return sglang_rid(wrid) if w is not None and w.engine is EngineKind.SGLANG else wrid
-
-    # -- events -------------------------------------------------------------------------------
-    def _draft_first(self, worker_id: str) -> bool:
-        if self.assist is None:
-            return False
-        self.assist.params = with_load_shape(self.assist.params, self.assist.shape)
-        view = self.checkpoints.view() if self.checkpoints is not None else self.monitor.view()
-        return draft_first_pays(view, self.assist.params, exclude=(worker_id,))
-
-    def _boosted(self, boost: float) -> None:
-        """The factor just judged for a recovery: the metric, and the draft-assist gate."""
-        self.metrics.outage_boost.set(boost)
-        if self.assist is not None:  # the gate judges the batch the survivors run now
-            limit = admission_limit(self.config.engine.max_running_requests, boost)
-            self.assist.params = with_batch_limit(self.assist.params, limit)
-
-    def _on_state_change(self, ev: StateEvent) -> None:
-        if ev.dst is WorkerState.FAILED:
-            self.metrics.worker_failures.labels(reason=ev.reason.split(":")[0][:40]).inc()
-            rec = self.monitor.workers.get(ev.worker_id)
-            if rec is not None:
-                self.metrics.detection_seconds.observe(max(0.0, ev.t - rec.last_heartbeat))

@@ -9,6 +9,7 @@ from gateway.core.types import LoadParams
 from gateway.protocol import control_pb2 as pb
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
@@ -35,8 +36,9 @@ def make(n: int = 4, replicas: int = 1, budget: int = 10**9):
         kv_bytes_per_token=KV,
         metrics=GatewayMetrics(),
     )
-    ctl.heartbeat_hooks.append(mgr.on_heartbeat)
-    Rehoming(monitor=mon, checkpoints=mgr, control=ctl, metrics=GatewayMetrics())
+    # as the gateway wires them: heartbeats and failures reach the books through the coordinator
+    rehoming = Rehoming(checkpoints=mgr, control=ctl, metrics=GatewayMetrics())
+    RecoveryCoordinator(monitor=mon, control=ctl, checkpoints=mgr, rehoming=rehoming)
     recs = {}
     for i in range(n):
         hello = pb.Hello(

@@ -23,13 +23,13 @@ import pytest
 from gateway.config import RecoverySection
 from gateway.core.health import WorkerState
 from gateway.core.modes import policy_for
-from gateway.core.outage import admission_limit, outage_params
-from gateway.core.pairing import with_batch_limit
+from gateway.core.outage import outage_params
 from gateway.protocol import control_pb2 as pb
 from gateway.server.api.errors import NoWorkerAvailable
 from gateway.server.api.jobs import GenerateJob, Sampling
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.recovery.levers import OutageLevers
 from gateway.server.recovery.pairing import DraftCoordinator
 from gateway.server.recovery.rehoming import Rehoming
@@ -130,8 +130,6 @@ class LiveShell:
             kv_bytes_per_token=c.kvb,
             metrics=GatewayMetrics(),
         )
-        self.control.heartbeat_hooks.append(self.ckpt.on_heartbeat)
-        Rehoming(monitor=self.monitor, checkpoints=self.ckpt, control=self.control, metrics=GatewayMetrics())
         self.assist = DraftCoordinator(
             monitor=self.monitor,
             control=self.control,
@@ -163,7 +161,7 @@ class LiveShell:
         )
         # the outage levers, the object gateway/server/app.py builds and wires (recovery/levers.py):
         # in Lumen's modes started by the dispatcher's resume hook, ticked after every heartbeat and
-        # state change; the pairing gate judges the boosted batch (GatewayApp._boosted)
+        # state change; the pairing gate judges the boosted batch (RecoveryCoordinator.boosted)
         r = self.sessions.recovery
         params = outage_params(r)
         assert params == c.outage.params  # the scenario's levers reach both shells alike
@@ -179,8 +177,20 @@ class LiveShell:
         )
         self.levers.set_shape(self.sessions.load_shape)  # as the app wires it
         self.outage = self.levers.admission
-        self.levers.boost_hooks.append(self._boosted)
-        self.sessions.dispatcher.resume_hooks.append(self.levers.on_resume)
+        # the recovery coordinator, as the app builds it (recovery/coordinator.py): the one listener
+        # of the monitor's state changes and the control plane's heartbeats (checkpoint books,
+        # re-homing, the levers), the levers' boost (the pairing gate) and the dispatcher's resumes
+        self.coordinator = RecoveryCoordinator(
+            monitor=self.monitor,
+            control=self.control,
+            metrics=GatewayMetrics(),
+            checkpoints=self.ckpt,
+            rehoming=Rehoming(checkpoints=self.ckpt, control=self.control, metrics=GatewayMetrics()),
+            levers=self.levers,
+            assist=self.assist,
+            base_batch=self.base_running,
+        )
+        self.sessions.dispatcher.resume_hooks.append(self.coordinator.begin_recovery)
         # the control seam: each SetAdmission sent (still queued to its worker's outbox) is applied
         # to that worker incarnation's own lease book, as Lumen's worker applies it (agent.py)
         self.leases: dict[tuple[str, int], AdmissionLeases] = {}
@@ -211,10 +221,6 @@ class LiveShell:
         self.phase: dict[str, int] = {}
         self.live: dict[int, Session] = {}
         self.decisions: list[tuple[Any, ...]] = []
-
-    def _boosted(self, boost: float) -> None:
-        """`GatewayApp._boosted`, the part a Lumen cluster has: the pairing gate judges the boosted batch."""
-        self.assist.params = with_batch_limit(self.assist.params, admission_limit(self.base_running, boost))
 
     # -- observations -------------------------------------------------------------------------------
     def on_attach(self, e: tr.Attach) -> None:

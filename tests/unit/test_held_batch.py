@@ -140,6 +140,7 @@ async def test_a_new_incarnation_of_a_held_server_admits_only_what_the_old_one_l
     those two end, so the server never runs more than its held batch."""
     monitor = LoadMonitor(clock=lambda: 0.0, heartbeat_interval_s=0.05, heartbeat_misses=4)
     held, order = HeldBatches(monitor), []
+    monitor.on_state_change.append(held.worker_ended)  # what the recovery coordinator does
     first = monitor.attach(_sglang_hello(10))
     gate = held.gate(first)
     assert gate is not None and gate.limit == 2
@@ -160,6 +161,7 @@ async def test_a_new_incarnation_of_a_held_server_admits_only_what_the_old_one_l
 async def test_a_record_of_a_replaced_incarnation_gets_no_slot_and_leaves_the_new_gate_alone() -> None:
     monitor = LoadMonitor(clock=lambda: 0.0, heartbeat_interval_s=0.05, heartbeat_misses=4)
     held = HeldBatches(monitor)
+    monitor.on_state_change.append(held.worker_ended)  # what the recovery coordinator does
     stale = monitor.attach(_sglang_hello(10))
     fresh = monitor.attach(_sglang_hello(11))  # the same server, attached again
     gate = held.gate(fresh)

@@ -316,6 +316,39 @@ def test_the_gateway_process_never_loads_the_worker_side() -> None:
     assert out.stdout.strip() == ""
 
 
+# the worker registry's listener lists: a module that adds itself to one subscribes to the workers
+WORKER_HOOKS = ("on_state_change", "heartbeat_hooks", "attach_hooks")
+# the one module under gateway/server that may (issue 28: what a failure sets off is written there)
+RECOVERY_COORDINATOR = "gateway.server.recovery.coordinator"
+
+
+def worker_subscriptions(path: Path) -> list[str]:
+    """Where `path` adds a listener to the worker registry's state changes or the control plane's
+    attaches and heartbeats (`<x>.on_state_change.append(...)` and the like), as "line: hook"."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "insert", "extend", "__iadd__")
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr in WORKER_HOOKS
+        ):
+            found.append(f"{node.lineno}: {node.func.value.attr}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for m, p in source_modules().items() if m.startswith("gateway.server") and m != RECOVERY_COORDINATOR],
+    ids=str,
+)
+def test_only_the_recovery_coordinator_subscribes_to_the_workers(path: Path) -> None:
+    """No module under gateway/server but recovery/coordinator.py listens to worker-state changes (or to
+    the control plane's attaches and heartbeats): the reaction to a failure is written in one place."""
+    assert worker_subscriptions(path) == [], f"{path} subscribes; call it from {RECOVERY_COORDINATOR}"
+
+
 # -- the checker itself catches what it must -------------------------------------------------------
 
 
@@ -345,3 +378,12 @@ def test_a_planted_cycle_is_caught() -> None:
     graph["gateway.core.types"] = {*graph["gateway.core.types"], "gateway.core.dispatch"}
     found = cycles(graph)
     assert any({"gateway.core.types", "gateway.core.dispatch"} <= set(c) for c in found)
+
+
+def test_a_planted_subscription_is_caught(tmp_path: Path) -> None:
+    f = tmp_path / "mod.py"
+    f.write_text(
+        "class A:\n    def __init__(self, monitor):\n        monitor.on_state_change.append(self.x)\n"
+    )
+    assert worker_subscriptions(f) == ["3: on_state_change"]
+    assert worker_subscriptions(ROOT / "gateway/server/recovery/coordinator.py")  # it does subscribe

@@ -17,6 +17,7 @@ from gateway.core.types import ClusterView, LoadParams
 from gateway.protocol import control_pb2 as pb
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
@@ -72,7 +73,8 @@ def test_kept_views_equal_rebuilt_ones(seed: int) -> None:
         kv_bytes_per_token=KV,
         metrics=GatewayMetrics(),
     )
-    Rehoming(monitor=mon, checkpoints=mgr, control=ctl, metrics=GatewayMetrics())
+    rehoming = Rehoming(checkpoints=mgr, control=ctl, metrics=GatewayMetrics())
+    RecoveryCoordinator(monitor=mon, control=ctl, rehoming=rehoming)  # failures re-home checkpoints
     incarnation: dict[str, int] = {}
 
     def attach(wid: str) -> None:

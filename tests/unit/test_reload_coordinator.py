@@ -16,6 +16,7 @@ from gateway.core.types import LoadParams
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import EngineKind
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.recovery.reload import ReloadCoordinator, SeedProbe
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord, reload_note
@@ -35,6 +36,8 @@ class Cluster:
             reload=ReloadSource(reload),
             **kw,
         )
+        # as the gateway wires it: the recovery coordinator passes on attaches, heartbeats, state changes
+        RecoveryCoordinator(monitor=self.monitor, control=self.control, reload=self.coord)
         self.incarnations: dict[str, int] = {}
 
     def attach(

@@ -7,9 +7,11 @@
 - `queue_priority`: each SGLang request's place in its server's queue (or in its held gate), the same
   rank Lumen's workers and the simulator use.
 
-`boost_hooks` get the factor after every judgement (the app: its metric and the draft-assist gate,
-which judges the batch the survivors run). The app and the sim/live equivalence test build this one
-object, so the test replays exactly the wiring the gateway runs.
+`boost_hooks` get the factor after every judgement (the recovery coordinator: its metric and the
+draft-assist gate, which judges the batch the survivors run). Nothing here subscribes to the workers:
+the recovery coordinator (coordinator.py) calls `tick` after every heartbeat and state change and
+`on_resume` at every resume. The app and the sim/live equivalence test build this one object and the
+coordinator, so the test replays exactly the wiring the gateway runs.
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ class OutageLevers:
                 gate=gate,
             )
             self.admission.boost_hooks.append(self._boosted)
-            control.heartbeat_hooks.append(lambda _rec, _beat: self.tick())
-            monitor.on_state_change.append(lambda _ev: self.tick())
 
     def set_shape(self, shape: LoadShape) -> None:
         """The load's shape estimate the boost gate judges (the sessions feed it)."""

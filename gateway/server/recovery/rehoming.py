@@ -13,12 +13,10 @@ import asyncio
 import structlog
 
 from gateway.core import holders as holder_policy
-from gateway.core.health import WorkerState
 from gateway.protocol import control_pb2 as pb
 from gateway.server.checkpoints import CheckpointManager
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.workers.control import ControlService
-from gateway.server.workers.monitor import LoadMonitor, StateEvent
 
 log = structlog.get_logger("lumen.rehoming")
 
@@ -27,7 +25,6 @@ class Rehoming:
     def __init__(
         self,
         *,
-        monitor: LoadMonitor,
         checkpoints: CheckpointManager,
         control: ControlService,
         metrics: GatewayMetrics,
@@ -37,12 +34,11 @@ class Rehoming:
         self.metrics = metrics
         # workers found FAILED and not yet handled: failures detected together are handled together
         self._dead: list[str] = []
-        monitor.on_state_change.append(self._on_state_change)
 
-    def _on_state_change(self, ev: StateEvent) -> None:
-        if ev.dst is not WorkerState.FAILED:
-            return
-        self._dead.append(ev.worker_id)
+    def worker_failed(self, worker_id: str) -> None:
+        """A worker failed (the recovery coordinator tells): its checkpoints are re-homed after the
+        detector's pass (`holder_failed`)."""
+        self._dead.append(worker_id)
         if len(self._dead) > 1:
             return  # already scheduled
         try:

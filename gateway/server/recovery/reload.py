@@ -133,9 +133,6 @@ class ReloadCoordinator:
         self.choices: deque[SeedChoice] = deque(maxlen=1000)
         self.stopped: deque[StoppedSeed] = deque(maxlen=1000)  # seeds declared FAILED by the probe
         self._watches: dict[str, asyncio.Task[None]] = {}  # seed -> its probe loop
-        control.attach_hooks.append(self.on_attach)
-        control.heartbeat_hooks.append(self.on_heartbeat)
-        monitor.on_state_change.append(self.on_state_change)
 
     async def close(self) -> None:
         """Stop watching seeds (the gateway stops)."""
@@ -209,7 +206,8 @@ class ReloadCoordinator:
             seed=hb.reload_seed or None,
         )
 
-    def on_state_change(self, ev: StateEvent) -> None:
+    def seed_claims(self, ev: StateEvent) -> None:
+        """The claims a state change ends (the recovery coordinator calls it on every one)."""
         if ev.worker_id in self.seeding and ev.dst not in _LOADING:
             del self.seeding[ev.worker_id]  # it serves (or failed again): its seed is free
         if ev.dst in (WorkerState.FAILED, WorkerState.REMOVED):
@@ -268,7 +266,7 @@ class ReloadCoordinator:
                 log.warning(
                     "seed_stopped_generating", seed=rec.id, incarnation=rec.incarnation, restart=restart
                 )
-                # FAILED: its streams resume elsewhere, its claim ends (on_state_change), it is fenced
+                # FAILED: its streams resume elsewhere, its claim ends (seed_claims), it is fenced
                 self.monitor.detach(rec, reason, Loss.HUNG)
                 return
         finally:

@@ -16,13 +16,13 @@ import grpc
 import structlog
 from grpc import aio
 
-from gateway.core.health import ALIVE_STATES, WorkerState
+from gateway.core.health import ALIVE_STATES
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol import control_pb2_grpc as pb_grpc
 from gateway.protocol.planes import CurveKeypair, Member, is_key, members_message
 from gateway.protocol.versions import CONTROL_PROTOCOL_VERSION
 from gateway.server.logbound import LogThrottle, clip
-from gateway.server.workers.monitor import AttachRefused, LoadMonitor, StateEvent, WorkerRecord
+from gateway.server.workers.monitor import AttachRefused, LoadMonitor, WorkerRecord
 
 log = structlog.get_logger("lumen.control")
 
@@ -40,9 +40,9 @@ class ControlService(pb_grpc.ControlServicer):
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.gateway_id = uuid.uuid4().hex[:12]
         self.outboxes: dict[str, asyncio.Queue[pb.GatewayMessage | None]] = {}
-        # called after the monitor has taken each heartbeat (the checkpoint manager listens)
+        # called after the monitor has taken each heartbeat, and once a worker is welcomed and `send`
+        # reaches it: the recovery coordinator listens (recovery/coordinator.py), nothing else
         self.heartbeat_hooks: list[Callable[[WorkerRecord, pb.Heartbeat], None]] = []
-        # called once a worker is welcomed and `send` reaches it (the reload coordinator listens)
         self.attach_hooks: list[Callable[[WorkerRecord, pb.Hello], None]] = []
         # the data planes (gateway/protocol/planes.py): the gateway's own CURVE keys (it is a draft-plane
         # client for SGLang targets), and the Members list every worker gets whenever it changes
@@ -53,7 +53,6 @@ class ControlService(pb_grpc.ControlServicer):
         self.members_seq = 0
         # refusals of unauthenticated Hellos: a few lines a second, the rest counted (logbound.py)
         self._refusal_log = LogThrottle(per_s=REFUSAL_LOGS_PER_S, burst=REFUSAL_LOG_BURST)
-        monitor.on_state_change.append(self._on_state_change)
 
     def send(self, worker_id: str, msg: pb.GatewayMessage) -> bool:
         """Queue a command for a worker's current incarnation; False if it is not attached."""
@@ -170,11 +169,6 @@ class ControlService(pb_grpc.ControlServicer):
             copy = pb.GatewayMessage()
             copy.CopyFrom(msg)
             self.send(wid, copy)
-
-    def _on_state_change(self, ev: StateEvent) -> None:
-        # a failed (fenced) or removed incarnation stops being a member at once
-        if ev.dst in (WorkerState.FAILED, WorkerState.REMOVED) and ev.src is not ev.dst:
-            self.broadcast_members()
 
     def _check_hello(self, hello: pb.Hello) -> str | None:
         if hello.protocol_version != CONTROL_PROTOCOL_VERSION:

@@ -108,7 +108,6 @@ class HeldBatches:
         self.boost = 1.0
         self._gates: dict[str, tuple[int, SlotGate]] = {}  # worker -> (incarnation, gate)
         self._retired: dict[str, SlotGate] = {}  # a failed incarnation's gate with slots still taken
-        monitor.on_state_change.append(self._on_state_change)
 
     def limit(self, rec: WorkerRecord) -> int:
         """`held_batch` under the boost, never above what the server admits (its heartbeats' report)."""
@@ -170,7 +169,9 @@ class HeldBatches:
         held = self._gates.get(worker_id)
         return held[1].waiting if held is not None else 0
 
-    def _on_state_change(self, ev: StateEvent) -> None:
+    def worker_ended(self, ev: StateEvent) -> None:
+        """After a state change (the recovery coordinator calls it on every one): an incarnation that
+        failed or left fails its gate's waiters (they resume elsewhere)."""
         held = self._gates.get(ev.worker_id)
         if held is None or held[0] != ev.incarnation or ev.dst in ALIVE_STATES:
             return

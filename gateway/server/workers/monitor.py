@@ -1,8 +1,11 @@
-"""The load monitor: the gateway's live view of every worker, fed by the control plane.
+"""The load monitor: the gateway's live view of every worker (its worker registry), fed by the
+control plane.
 
-It owns worker state (through the core transition table), fencing of old incarnations, failure
-notifications to the sessions streaming from a worker, and gray failures (slow per token). It
-composes the rest, one module each:
+It owns worker state (through the core transition table), fencing of old incarnations, the kind of
+each loss (gateway/core/losses.py), failure notifications to the sessions streaming from a worker,
+and gray failures (slow per token). Its state changes have one listener, the recovery coordinator
+(gateway/server/recovery/coordinator.py), which writes what each failure sets off. It composes the
+rest, one module each:
 
 - detection.py: failure detection by silence (the core's adaptive detector and verdict,
   core/detector.py, with an HTTP probe of a suspected worker's own server); the monitor applies the

@@ -44,9 +44,10 @@ class ServerInfoReader:
         self.timeout_s = timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
         self._asked: dict[str, int] = {}  # worker -> the incarnation last asked
-        monitor.on_state_change.append(self.on_state_change)
 
-    def on_state_change(self, ev: StateEvent) -> None:
+    def serving(self, ev: StateEvent) -> None:
+        """A worker turned HEALTHY (the recovery coordinator tells): an SGLang incarnation not asked
+        yet is asked, in a task of its own."""
         rec = self.monitor.workers.get(ev.worker_id)
         if ev.dst is not WorkerState.HEALTHY or rec is None or rec.engine is not EngineKind.SGLANG:
             return
