@@ -1,6 +1,11 @@
-"""What a request session records: its progress, and each interruption and how it was resumed
-(sessions.py runs them; /admin/sessions, the demo and the sim/live equivalence test read them), and
-what an attempt sends and reads: its `/generate` body, a chunk's logprobs and restored tokens."""
+"""A request session and what it records: its progress, each interruption and how it was resumed
+(sessions.py runs them; /admin/sessions, the demo and the sim/live equivalence test read them).
+
+A session's bookkeeping is its own methods, so following a request does not leave the session: what
+its next attempt sends (`next_request`), a chunk's logprobs (`chunk_logprobs`), tokens arriving
+(`tokens_arrived`: the first token, the open interruption's resume and what it restored), an attempt
+breaking (`interrupted`), whether it is already done (`finished_by_tokens`). They decide nothing and
+touch no metrics: the failover loop (sessions.py) does, from what they return."""
 
 from __future__ import annotations
 
@@ -63,6 +68,45 @@ class Session:
     def remaining(self) -> int:
         return self.job.sampling.max_new_tokens - len(self.emitted)
 
+    @property
+    def resuming(self) -> Interruption | None:
+        """The interruption this session is resuming from (no token since), if any."""
+        it = self.interruptions[-1] if self.interruptions else None
+        return it if it is not None and it.resumed_at is None else None
+
+    def next_request(
+        self, wrid: str, epoch: int, holders: list[HolderRef], orphan_grace_s: float
+    ) -> GenerateRequest:
+        """The `/generate` body of the next attempt: the prompt and everything emitted so far, the rest
+        of the budget, the seed base."""
+        return attempt_request(self, wrid, epoch, holders, orphan_grace_s)
+
+    def chunk_logprobs(self, chunk: GenerateChunk, worker_id: str) -> tuple[TokenLogprob, ...]:
+        """The chunk's logprobs when the job asked for them; a chunk without them is the worker's error."""
+        return chunk_logprobs(self, chunk, worker_id)
+
+    def tokens_arrived(self, engine: EngineKind, worker_id: str, chunk: GenerateChunk, now: float) -> Arrival:
+        """Tokens of `chunk` reached the session at `now` from `worker_id`: the first token's time, and
+        the open interruption resumed (with the prefix its attempt restored)."""
+        first = self.first_token_at is None
+        if first:
+            self.first_token_at = now
+        it = self.resuming
+        if it is not None:
+            it.restored_tokens = restored_tokens(self, engine, chunk)
+            it.resumed_at = now
+            it.resumed_on = worker_id
+        self.last_token_at = now
+        return Arrival(first, it)
+
+    def interrupted(self, worker_id: str, incarnation: int, reason: str, now: float) -> Interruption:
+        """The attempt on `worker_id` broke at `now`: the interruption it resumes from."""
+        it = Interruption(
+            worker_id, incarnation, reason, now, len(self.emitted), self.last_token_at or self.arrived
+        )
+        self.interruptions.append(it)
+        return it
+
     def finished_by_tokens(self) -> str | None:
         """Whether the emitted tokens already complete the request (a failure after the last token)."""
         s = self.job.sampling
@@ -71,6 +115,14 @@ class Session:
         if self.remaining <= 0:
             return "length"
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """What tokens arriving did to a session (`Session.tokens_arrived`)."""
+
+    first: bool  # the session's first token
+    resumed: Interruption | None  # the interruption they end, if any
 
 
 def attempt_request(

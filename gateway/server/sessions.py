@@ -38,7 +38,13 @@ from gateway.core.losses import Loss
 from gateway.core.modes import RecoveryPolicy, policy_for
 from gateway.core.router import routing_params
 from gateway.core.types import LoadParams
-from gateway.protocol.generate import INCARNATION_RESET_ABORT, AdoptRequest, EngineKind, HolderRef
+from gateway.protocol.generate import (
+    INCARNATION_RESET_ABORT,
+    AdoptRequest,
+    EngineKind,
+    GenerateChunk,
+    HolderRef,
+)
 from gateway.protocol.sglang import SGLangGenerate, sglang_rid, to_sglang
 from gateway.server.api.errors import Overloaded, UpstreamFailed, UpstreamRejected
 from gateway.server.api.jobs import Attempt, GenerateJob, TokenDelta, attempt_rid
@@ -47,8 +53,7 @@ from gateway.server.metrics import GatewayMetrics
 from gateway.server.recovery.assisted import AssistedStream, GatewayVerifier
 from gateway.server.recovery.dispatch import RecoveryDispatcher, Resume
 from gateway.server.recovery.levers import OutageLevers
-from gateway.server.session_book import note_interruption, note_tokens
-from gateway.server.session_records import Session, attempt_request, chunk_logprobs
+from gateway.server.session_records import Session
 from gateway.server.workers.aborts import Aborts
 from gateway.server.workers.client import WorkerLost, WorkerRefused, WorkerStream
 from gateway.server.workers.monitor import LoadMonitor, WorkerRecord
@@ -211,7 +216,7 @@ class SessionManager:
                     if exc.kind is Loss.STALLED:
                         self.metrics.stalls.inc()
                     excluded.add(worker.id)
-            note_interruption(s, worker, lost_reason, self.clock(), self.metrics, self.recovery.mode)
+            self._interrupted(s, worker, lost_reason)
             if not self.policy.failover:
                 raise UpstreamFailed(
                     f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'"
@@ -243,9 +248,9 @@ class SessionManager:
 
     async def _pick(self, s: Session, excluded: set[str]) -> WorkerRecord:
         """The worker for the next attempt: the router for the first, recovery dispatch afterwards."""
-        it = s.interruptions[-1] if s.interruptions else None
+        it = s.resuming
         resume = None
-        if it is not None and it.resumed_at is None:
+        if it is not None:
             context = len(s.job.prompt_ids) + len(s.emitted)
             resume = Resume(s.job.rid, it.worker_id, context, max(0, s.remaining))
         worker, decision = await self.dispatcher.pick(resume, excluded, len(s.emitted))
@@ -296,7 +301,7 @@ class SessionManager:
             if not s.resumed_by:  # it died before answering: recompute
                 self._resumed(s, "replay", at, exc.reason)
             else:
-                note_interruption(s, worker, exc.reason, self.clock(), self.metrics, self.recovery.mode)
+                self._interrupted(s, worker, exc.reason)
 
     def _resumed(self, s: Session, how: str, at: Attempt, why: str = "") -> None:
         s.resumed_by = how
@@ -320,7 +325,7 @@ class SessionManager:
                 len(s.job.prompt_ids) + len(s.emitted),
                 s.remaining,
             )
-        req = attempt_request(s, wrid, worker.incarnation, holders, self.recovery.orphan_grace_s)
+        req = s.next_request(wrid, worker.incarnation, holders, self.recovery.orphan_grace_s)
         # an SGLang server gets SGLang's own body (its contract refuses Lumen's extension)
         levers = self.levers if sglang else None
         rank = levers.queue_priority(s.attempts, len(req.input_ids)) if levers is not None else 0
@@ -411,10 +416,10 @@ class SessionManager:
                             f"worker aborted the request: {fin.message or ''}",
                             Loss.RESET if fin.message == INCARNATION_RESET_ABORT else Loss.ABORTED,
                         )
-                    lps = chunk_logprobs(s, chunk, worker.id)
+                    lps = s.chunk_logprobs(chunk, worker.id)
                     if ids:
                         now = self.clock()
-                        note_tokens(s, worker, len(ids), chunk, now, self.metrics, self.checkpoints)
+                        self._tokens_arrived(s, worker, len(ids), chunk, now)
                         if prev_chunk_at is not None and self.monitor.measure_tokens:  # gray failures
                             self.monitor.observe_tokens(
                                 worker.id, worker.incarnation, len(ids), now - prev_chunk_at
@@ -438,6 +443,39 @@ class SessionManager:
         finally:
             worker.inflight -= 1
             self.monitor.unwatch(worker.id, sub)
+
+    # -- a session's metrics (its bookkeeping is its own: session_records.py) -------------------------
+    def _tokens_arrived(
+        self, s: Session, worker: WorkerRecord, n: int, chunk: GenerateChunk, now: float
+    ) -> None:
+        """`n` tokens of `chunk` reached the session at `now` from `worker`: TTFT, a resume's delay and
+        what it restored, the output count; the checkpoints a restore has read are dropped."""
+        got = s.tokens_arrived(worker.engine, worker.id, chunk, now)
+        if got.first:
+            self.metrics.ttft.observe(now - s.arrived)
+        it = got.resumed
+        if it is not None:
+            if self.checkpoints is not None:
+                self.checkpoints.drop_retired(s.job.rid)  # the restore, if any, has read them
+            if it.restored_tokens:
+                self.metrics.restored_tokens.inc(it.restored_tokens)
+            self.metrics.resume_delay.observe(it.resume_delay or 0.0)
+            self.metrics.resumes.labels(kind="restore" if it.restored_tokens else "replay").inc()
+        self.metrics.output_tokens.inc(n)
+
+    def _interrupted(self, s: Session, worker: WorkerRecord, reason: str) -> None:
+        """The session's attempt on `worker` broke (it resumes elsewhere)."""
+        s.interrupted(worker.id, worker.incarnation, reason, self.clock())
+        self.metrics.interrupted.labels(mode=self.recovery.mode).inc()
+        log.info(
+            "request_interrupted",
+            rid=s.job.rid,
+            worker=worker.id,
+            incarnation=worker.incarnation,
+            emitted=len(s.emitted),
+            attempt=s.attempts,
+            reason=reason,
+        )
 
     def _first_chunk_timeout(self, s: Session) -> float:
         """How long an attempt may wait for its first chunk: `first_token_timeout_s` while the client
