@@ -51,6 +51,14 @@ def build() -> Dashboard:
         )
         .with_panel(
             series(
+                "Time per output token",
+                "s",
+                q("histogram_quantile(0.5, sum by (le) (rate(lumen_tpot_seconds_bucket[1m])))", "p50"),
+                q("histogram_quantile(0.99, sum by (le) (rate(lumen_tpot_seconds_bucket[1m])))", "p99"),
+            )
+        )
+        .with_panel(
+            series(
                 "Answers by status class",
                 "reqps",
                 q("sum by (outcome) (rate(lumen_requests_total[1m]))", "{{outcome}}"),

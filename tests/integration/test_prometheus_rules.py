@@ -93,3 +93,4 @@ async def test_answers_and_resumes_are_counted() -> None:
     assert 'lumen_requests_total{endpoint="/v1/completions",outcome="4xx"} 2.0' in text
     assert 'lumen_stream_resume_requests_total{outcome="refused"} 1.0' in text
     assert 'lumen_stream_resume_requests_total{outcome="failed"} 0.0' in text
+    assert "lumen_tpot_seconds_count 1.0" in text  # the one stream's time per token (4 tokens)

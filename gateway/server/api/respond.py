@@ -23,7 +23,7 @@ from gateway.protocol.openai.envelopes import SSE_DONE, Json, sse_event
 from gateway.protocol.openai.errors import error_body
 from gateway.server.api.errors import GatewayError
 from gateway.server.api.formats import Format
-from gateway.server.api.generation import Choices
+from gateway.server.api.generation import Choices, Step
 from gateway.server.api.keepalive import SseResponse
 from gateway.server.api.resume import StreamIds
 
@@ -32,6 +32,33 @@ log = structlog.get_logger("lumen.api")
 
 # a sampled request's response where its replay is not reproducible (docs/sglang.md, Determinism)
 REPLAY_HEADER = "Lumen-Replay"
+# the request's per-choice time per output token, as the client got them (request_metrics.py observes)
+TPOT_KEY = web.RequestKey("lumen_tpot_seconds", list)
+
+
+class StepTimes:
+    """When each choice's steps came (not the replayed ones of a resumed stream): its time per output
+    token after the first step, for /metrics."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, tuple[float, int]] = {}  # index -> (time, ids) of its first step
+        self._last: dict[int, tuple[float, int]] = {}  # index -> (time, ids so far)
+
+    def saw(self, got: tuple[int, Step] | None) -> tuple[int, Step] | None:
+        if got is not None and got[1].ids and not got[1].replay:
+            i, n, now = got[0], len(got[1].ids), time.monotonic()
+            if i not in self._first:
+                self._first[i] = (now, n)
+            self._last[i] = (now, self._last.get(i, (0.0, 0))[1] + n)
+        return got
+
+    def tpots(self) -> list[float]:
+        out = []
+        for i, (t0, n0) in self._first.items():
+            t1, n = self._last[i]
+            if n > n0 and t1 > t0:
+                out.append((t1 - t0) / (n - n0))
+        return out
 
 
 def json_response(obj: object, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -53,9 +80,11 @@ async def respond(
     `record(arrival, prompt tokens, output tokens)`: each choice once the response ended (the trace
     recorder, gateway.record_trace)."""
     arrival = time.time()
+    times = StepTimes()
     try:
-        return await _respond(request, choices, fmt, stream, keepalive_s, positions, headers)
+        return await _respond(request, choices, fmt, stream, keepalive_s, positions, headers, times)
     finally:
+        request[TPOT_KEY] = times.tpots()
         if record is not None:
             for g in choices.gens:
                 if g.completion_tokens:  # a request refused before any output is not traffic served
@@ -70,15 +99,16 @@ async def _respond(
     keepalive_s: float,
     positions: StreamIds | None,
     headers: Mapping[str, str] | None,
+    times: StepTimes,
 ) -> web.StreamResponse:
     gens = choices.gens
     async with choices:  # closes every generator on every way out, cancellation included
         if not stream:
             parts: list[list[str]] = [[] for _ in gens]
-            while (got := await choices.next()) is not None:
+            while (got := times.saw(await choices.next())) is not None:
                 parts[got[0]].append(got[1].text)
             return json_response(fmt.response(["".join(p) for p in parts], gens), headers)
-        first = await choices.next()  # raises before any output: the middleware answers with a status
+        first = times.saw(await choices.next())  # raises before any output: the middleware answers
         # from here on, silence longer than limits.sse_keepalive_s gets a comment line (keepalive.py)
         # keep-alive comments only on resumable streams: a client parsing SSE line by line (as SGLang's
         # own bench_serving does) reads a comment line as a broken data line
@@ -92,7 +122,7 @@ async def _respond(
                 index, step = got
                 events = fmt.chunks(index, step, gens[index])  # a replayed step updates the format
                 if step.replay:
-                    got = await choices.next()
+                    got = times.saw(await choices.next())
                     continue
                 # every step's ids count toward the stream's position, also a step whose text is held
                 # back (a byte-level token that ends no character writes no event): the next event's
@@ -101,7 +131,7 @@ async def _respond(
                     positions.step(index, step)
                 if events:
                     await resp.write(_events(events, positions))
-                got = await choices.next()
+                got = times.saw(await choices.next())
             if positions is None or not positions.closed:
                 closing = fmt.closing(gens)
                 if closing:
