@@ -27,9 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the simulator package first: with LUMEN_SIM_NATIVE set (--native) it activates the build before
+# anything imports the compiled `gateway.core` modules (gateway/sim/__init__.py)
+from gateway.sim import native  # isort: split
+
 from gateway.core.costmodel import ReloadSource
 from gateway.core.modes import policy_for
-from gateway.sim import native
 from gateway.sim.result import RunResult
 from gateway.sim.runner import build_workload, run_scenario, with_overrides
 from gateway.sim.scenario import load_scenario

@@ -197,7 +197,7 @@ def _native(args: argparse.Namespace) -> None:
         if lib is None:
             say("the simulator runs interpreted (`lumen native build` compiles it once: ~3x less CPU)")
         return
-    native.restart(lib, ["-m", "gateway.cli", *command_line])
+    native.restart(lib, [*native.LUMEN, *command_line])
 
 
 def _scenario(args: argparse.Namespace) -> Any:

@@ -10,13 +10,15 @@ changes: the old build no longer applies, and `activate` refuses a build whose r
 is not the current one, so a stale compiled module can never run in place of the source.
 
 - `lumen native build` (`build`) compiles them (mypyc and a C compiler: `pip install lumen[native]`).
-- A process started with `LUMEN_SIM_NATIVE=<build>/lib` loads those modules from the build:
-  `gateway/__init__.py` calls `activate` before anything imports them. `lumen sim` and `lumen tune`
-  restart themselves that way when a build for the current sources exists (`--native`), and the
-  processes of `--jobs` inherit it.
+- A process started with `LUMEN_SIM_NATIVE=<build>/lib` loads those modules from the build: the
+  simulator package (`gateway/sim/__init__.py`) calls `activate` when it is imported, which such a
+  process does before anything imports them. `lumen sim` and `lumen tune` restart themselves that way
+  when a build for the current sources exists (`--native`; as `LUMEN`, which imports the simulator
+  before `gateway.cli`), and the processes of `--jobs` inherit it.
 
-Only simulator processes use a build; the live gateway never sets the variable. This module is
-imported by `gateway/__init__.py` and so uses the standard library alone.
+Only simulator processes use a build; the live gateway and the workers never import the simulator.
+This module is imported by `gateway/sim/__init__.py` before anything else and so uses the standard
+library alone.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ ENV = "LUMEN_SIM_NATIVE"  # a build's lib directory: the process loads MODULES f
 CACHE_ENV = "LUMEN_NATIVE_CACHE"  # where builds are kept (default: the user's cache directory)
 GROUP = "lumen_native"  # mypyc's shared library for the group: `lumen_native__mypyc`
 STAMP = "LUMEN_NATIVE_DIGEST"  # in a build's lib directory: the digest it was built from
+# the Python arguments of `lumen ARGS...` on a build: the simulator package (and with it the build,
+# when ENV is set) is imported before `gateway.cli`, which imports compiled `gateway.core` modules
+LUMEN: tuple[str, ...] = ("-c", "import sys, gateway.sim; from gateway.cli import main; sys.exit(main())")
 
 # Compiled together. Every module here is imported only through the build once it is active, so
 # none of them may be subclassed by an interpreted module (mypyc's native classes cannot be), and

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Set
@@ -223,10 +224,11 @@ def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
 
 
 def test_every_module_belongs_to_a_part() -> None:
-    # `gateway/__init__.py` is the namespace of the gateway's parts and imports none of them: only the
-    # simulator's native loader, when LUMEN_SIM_NATIVE asks for it, which imports the standard
-    # library alone (gateway/sim/native.py)
-    assert {i.target for i in imports_of(ROOT / "gateway" / "__init__.py")} == {
+    # `gateway/__init__.py` is the namespace of the gateway's parts and imports nothing (issue 28); the
+    # simulator's native loader, when LUMEN_SIM_NATIVE asks for it, is the simulator package's, and
+    # imports the standard library alone (gateway/sim/native.py)
+    assert imports_of(ROOT / "gateway" / "__init__.py") == []
+    assert {i.target for i in imports_of(ROOT / "gateway" / "sim" / "__init__.py")} == {
         "os",
         "gateway.sim.native",
         "gateway.sim.native.activate",
@@ -387,3 +389,63 @@ def test_a_planted_subscription_is_caught(tmp_path: Path) -> None:
     )
     assert worker_subscriptions(f) == ["3: on_state_change"]
     assert worker_subscriptions(ROOT / "gateway/server/recovery/coordinator.py")  # it does subscribe
+
+
+# -- one exception tree per wire (issue 28) ----------------------------------------------------------
+
+
+def exception_classes(modules: Mapping[str, Path]) -> dict[str, list[str]]:
+    """Exception class name -> the modules declaring a class of that name. A class is an exception
+    when one of its bases is: a builtin exception, a project exception (transitively), or a foreign
+    class whose name ends in Error or Exception (msgspec.ValidationError, grpc.RpcError, ...)."""
+    import builtins
+
+    bases: dict[str, list[tuple[str, list[str]]]] = {}
+    for m, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                names = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+                bases.setdefault(node.name, []).append((m, names))
+    exc = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    grew = True
+    while grew:
+        grew = False
+        for name, decls in bases.items():
+            if name not in exc and any(
+                b in exc or b.endswith(("Error", "Exception")) for _, bs in decls for b in bs
+            ):
+                exc.add(name)
+                grew = True
+    return {name: sorted(m for m, _ in decls) for name, decls in bases.items() if name in exc}
+
+
+def test_no_exception_class_name_is_declared_in_two_product_modules() -> None:
+    """One OpenAI error tree (gateway/protocol/openai/errors.py) for the gateway and Lumen's worker
+    server; every other exception is declared once. A re-export (`from x import E`) is no declaration."""
+    twice = {n: ms for n, ms in exception_classes(source_modules()).items() if len(set(ms)) > 1}
+    assert twice == {}
+
+
+def test_a_second_declaration_of_an_exception_name_is_caught(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("class Base(Exception): ...\nclass NotFound(Base): ...\nclass Plain: ...\n")
+    b.write_text("import x\nclass NotFound(x.OpenAIError): ...\nclass Plain: ...\n")
+    found = exception_classes({"p.a": a, "p.b": b})
+    assert found == {"Base": ["p.a"], "NotFound": ["p.a", "p.b"]}
+
+
+def test_importing_the_shared_core_runs_nothing_of_the_simulator() -> None:
+    """`import gateway.protocol` (what a worker imports) loads no simulator module, not even with
+    LUMEN_SIM_NATIVE set: the native build is activated by the simulator package alone."""
+    code = "import sys, gateway.protocol, gateway.core.costmodel\nprint(sorted(m for m in sys.modules if m.startswith('gateway.sim')))"
+    env = {**os.environ, "LUMEN_SIM_NATIVE": str(ROOT / "no-such-build"), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

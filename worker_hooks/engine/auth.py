@@ -10,9 +10,9 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.protocol.generate import encode
+from gateway.protocol.openai.errors import Unauthorized
 from gateway.protocol.secrets import bearer_matches, worker_http_bearer
-from worker_hooks.engine.errors import Unauthorized
+from worker_hooks.engine.http import error_response
 
 log = structlog.get_logger(__name__)
 
@@ -29,8 +29,7 @@ def bearer_middleware(control_token: str) -> Middleware:
         open_path = not expected or request.path in OPEN_PATHS
         if not open_path and not bearer_matches(request.headers.get("Authorization"), expected):
             log.warning("http_unauthorized", path=request.path, peer=request.remote)
-            exc = Unauthorized("this worker takes requests from its cluster's gateway only")
-            return web.Response(status=exc.status, body=encode(exc.body()), content_type="application/json")
+            return error_response(Unauthorized("this worker takes requests from its cluster's gateway only"))
         return await handler(request)
 
     return check_bearer

@@ -28,6 +28,7 @@ from gateway.core.health import Phase
 from gateway.core.outage import OutageParams, queue_first
 from gateway.protocol.generate import INCARNATION_RESET_ABORT, FinishReason, GenerateRequest
 from gateway.protocol.launch import EngineSpec
+from gateway.protocol.openai.errors import PromptTooLong
 from gateway.protocol.planes import PlaneAuth
 from gateway.protocol.versions import GENERATE_PROTOCOL_VERSION
 from models.synthetic import SyntheticModel
@@ -236,7 +237,7 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> RequestHandle:
-        """Validate and queue a request; raises an EngineError subclass and changes nothing if refused."""
+        """Validate and queue a request; raises an OpenAIError (errors.py) and changes nothing if refused."""
         ext = req.lumen
         if ext is not None:
             if ext.v != GENERATE_PROTOCOL_VERSION:
@@ -264,7 +265,7 @@ class Engine:
         seq.resumed = ext is not None and queue_first(ext.attempt, OutageParams())
         seq.enqueued_at = time.monotonic()
         if not self.scheduler.fits_ever(seq):
-            raise errors.PromptTooLong(
+            raise PromptTooLong(
                 f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
                 f"exceeds the KV capacity of {self.pool.capacity_tokens} tokens"
             )
@@ -320,14 +321,14 @@ class Engine:
             self.abort(handle.rid, "client disconnected")
 
     def adopt(self, rid: str, epoch: int = 0) -> RequestHandle:
-        """A gateway takes over an orphaned request (raises NotFound / StaleEpoch, changing nothing)."""
+        """A gateway takes over an orphaned request (raises NoOrphan / StaleEpoch, changing nothing)."""
         if epoch and epoch != self.incarnation:
             raise errors.StaleEpoch(
                 f"adopt for incarnation {epoch}, this worker is incarnation {self.incarnation}"
             )
         handle = self.orphans.adopt(rid)
         if handle is None:
-            raise errors.NotFound(f"no orphaned request {rid!r} here (finished, aborted or never seen)")
+            raise errors.NoOrphan(f"no orphaned request {rid!r} here (finished, aborted or never seen)")
         return handle
 
     # -- checkpoint commands (control plane; DropCheckpoint goes to `ckpt.drop`) --------------------

@@ -1,57 +1,35 @@
-"""The engine's exception tree. Each maps to one HTTP status and OpenAI-style error body in server.py."""
+"""What Lumen's worker server refuses, as OpenAI errors (gateway/protocol/openai/errors.py: the one
+tree it shares with the gateway): the kinds below are the worker's own; the rest (`Unauthorized`,
+`PromptTooLong`, ...) are raised from the shared tree as they are. Each becomes its HTTP status and
+OpenAI error body in one place (http.py, `error_response`); a body that does not decode becomes a
+`MalformedRequest` there too (`decoded`)."""
 
 from __future__ import annotations
 
-
-class EngineError(Exception):
-    status: int = 500
-    type: str = "internal_error"
-    code: str | None = None
-
-    def __init__(self, message: str, *, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if code is not None:
-            self.code = code
-
-    def body(self) -> dict[str, object]:
-        # OpenAI's shape, as the gateway's and the worker's OpenAI routes answer (param: none named)
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+from gateway.protocol.openai.errors import InvalidRequest, NotFound, OpenAIError
 
 
-class InvalidRequest(EngineError):
-    status = 400
-    type = "invalid_request_error"
+class MalformedRequest(InvalidRequest):
+    """A request the worker cannot take as sent: a body that does not decode, a field out of range."""
+
     code = "invalid_request"
 
 
-class UnsupportedVersion(InvalidRequest):
+class UnsupportedVersion(MalformedRequest):
     code = "unsupported_protocol_version"
 
 
-class PromptTooLong(InvalidRequest):
-    code = "context_length_exceeded"
-
-
-class DuplicateRequest(InvalidRequest):
+class DuplicateRequest(MalformedRequest):
     code = "duplicate_request_id"
 
 
-class Unauthorized(EngineError):
-    """A request without the cluster's bearer (gateway/protocol/secrets.py)."""
+class NoOrphan(NotFound):
+    """`/lumen/adopt` named a request this worker does not keep orphaned (finished, aborted, unknown)."""
 
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class NotFound(EngineError):
-    status = 404
-    type = "not_found_error"
     code = "not_found"
 
 
-class StaleEpoch(EngineError):
+class StaleEpoch(OpenAIError):
     """The gateway addressed another incarnation of this worker (DESIGN 4.3 fencing)."""
 
     status = 409
@@ -59,7 +37,7 @@ class StaleEpoch(EngineError):
     code = "stale_epoch"
 
 
-class NotServing(EngineError):
+class NotServing(OpenAIError):
     """The worker is loading or draining and takes no new requests."""
 
     status = 503

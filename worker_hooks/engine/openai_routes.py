@@ -57,12 +57,11 @@ from gateway.protocol.openai.envelopes import (
     sse_event,
     usage,
 )
-from gateway.protocol.openai.errors import OpenAIError
+from gateway.protocol.openai.errors import OpenAIError, PromptTooLong
 from gateway.protocol.openai.fields import UNSUPPORTED, Fields, decode_object
 from gateway.protocol.openai.requests import Bounds, SamplingRequest
-from worker_hooks.engine.errors import EngineError, PromptTooLong
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.http import WORKER, json_response
+from worker_hooks.engine.http import WORKER, error_response, json_response
 from worker_hooks.engine.scheduler import Emission
 
 log = structlog.get_logger(__name__)
@@ -164,14 +163,6 @@ def _logprobs(req: OpenAIRequest, lps: Sequence[TokenLogprob]) -> list[Logprob] 
 # -- errors --------------------------------------------------------------------------------------------
 
 
-def _engine_error(exc: EngineError, param: str | None = None) -> OpenAIError:
-    return OpenAIError(exc.message, param=param, code=exc.code, status=exc.status, type=exc.type)
-
-
-def _error_response(exc: OpenAIError) -> web.Response:
-    return json_response(exc.body(), status=exc.status)
-
-
 def _aborted(e: Emission) -> OpenAIError | None:
     if e.finish is None or e.finish.type != "abort":
         return None
@@ -223,12 +214,10 @@ async def _serve(
         )
         try:
             handle = engine.submit(gen)
-        except PromptTooLong as exc:
-            raise _engine_error(exc, prompt_param) from exc
-        except EngineError as exc:
-            raise _engine_error(exc) from exc
+        except PromptTooLong as exc:  # the client's prompt is its `prompt` or `messages`
+            raise PromptTooLong(exc.message, param=prompt_param) from exc
     except OpenAIError as exc:
-        return _error_response(exc)
+        return error_response(exc)
     env = envelope(rid, req.model, int(time.time()), req.include_usage)
     try:
         if req.stream:
@@ -292,7 +281,7 @@ async def _unary(handle: RequestHandle, env: Envelope, req: OpenAIRequest) -> we
     while True:
         e = await handle.next()
         if (err := _aborted(e)) is not None:
-            return _error_response(err)
+            return error_response(err)
         output.extend(e.new_ids)
         logprobs.extend(e.logprobs)
         if e.finish is not None:

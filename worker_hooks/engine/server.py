@@ -31,15 +31,14 @@ from gateway.protocol.generate import (
     MetaInfo,
     SeedSend,
     TokenLogprob,
-    encode,
     encode_sse_chunk,
     request_decoder,
 )
 from gateway.protocol.openai.errors import OpenAIError
 from worker_hooks.engine.engine import Engine
-from worker_hooks.engine.errors import EngineError, InvalidRequest, NotServing
+from worker_hooks.engine.errors import MalformedRequest, NotServing
 from worker_hooks.engine.handle import RequestHandle
-from worker_hooks.engine.http import WORKER, json_response
+from worker_hooks.engine.http import WORKER, decoded, error_response, json_response
 from worker_hooks.engine.scheduler import Emission
 from worker_hooks.engine.validation import check_body
 
@@ -61,10 +60,6 @@ MAX_SEND_SLOWDOWN = 10.0
 _fault_decoder = msgspec.json.Decoder(FaultRequest)
 _seed_send_decoder = msgspec.json.Decoder(SeedSend)
 _adopt_decoder = msgspec.json.Decoder(AdoptRequest)
-
-
-def error_response(exc: EngineError) -> web.Response:
-    return web.Response(status=exc.status, body=encode(exc.body()), content_type="application/json")
 
 
 def _chunk(
@@ -104,15 +99,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     try:
         check_body(body, engine.spec.vocab_size)  # sampling_params as the gateway checks them
-        req = request_decoder.decode(body)
+        req = decoded(request_decoder, body, "/generate")
         if not req.rid:
             req = msgspec.structs.replace(req, rid=f"w-{uuid.uuid4().hex}")
         handle = engine.submit(req)
     except OpenAIError as exc:
-        return json_response(exc.body(), status=exc.status)
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-        return error_response(InvalidRequest(f"invalid /generate body: {exc}"))
-    except EngineError as exc:
         return error_response(exc)
     delivered = False
     try:
@@ -161,11 +152,9 @@ async def adopt(request: web.Request) -> web.StreamResponse:
     """`POST /lumen/adopt`: a gateway takes over an orphaned request; its stream from the first id."""
     engine = request.app[WORKER].engine
     try:
-        req = _adopt_decoder.decode(await request.read())
+        req = decoded(_adopt_decoder, await request.read(), "/lumen/adopt")
         handle = engine.adopt(req.rid, req.epoch)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return error_response(InvalidRequest(f"invalid /lumen/adopt body: {exc}"))
-    except EngineError as exc:
+    except OpenAIError as exc:
         return error_response(exc)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     delivered = False
@@ -204,11 +193,11 @@ async def _unary(engine: Engine, handle: RequestHandle) -> web.Response:
 async def abort_request(request: web.Request) -> web.Response:
     engine = request.app[WORKER].engine
     try:
-        req = _abort_decoder.decode(await request.read())
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return error_response(InvalidRequest(f"invalid /abort_request body: {exc}"))
+        req = decoded(_abort_decoder, await request.read(), "/abort_request")
+    except OpenAIError as exc:
+        return error_response(exc)
     if not req.rid and not req.abort_all:
-        return error_response(InvalidRequest("rid must be a non-empty prefix (or abort_all true)"))
+        return error_response(MalformedRequest("rid must be a non-empty prefix (or abort_all true)"))
     aborted = engine.abort_prefix("" if req.abort_all else req.rid)
     log.info("abort_request", prefix=req.rid, aborted=len(aborted))
     return json_response({"aborted": aborted})
@@ -218,9 +207,11 @@ async def fault(request: web.Request) -> web.Response:
     """A slow, degraded GPU: the engine keeps serving, every step `slowdown` x slower (1.0 restores)."""
     engine = request.app[WORKER].engine
     try:
-        engine.set_slowdown(_fault_decoder.decode(await request.read()).slowdown)
-    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-        return error_response(InvalidRequest(f"invalid /lumen/fault body: {exc}"))
+        engine.set_slowdown(decoded(_fault_decoder, await request.read(), "/lumen/fault").slowdown)
+    except ValueError as exc:  # a slowdown the engine refuses
+        return error_response(MalformedRequest(f"invalid /lumen/fault body: {exc}"))
+    except OpenAIError as exc:
+        return error_response(exc)
     return json_response({"worker_id": engine.worker_id, "slowdown": engine.slowdown})
 
 
@@ -229,17 +220,17 @@ async def seed_send(request: web.Request) -> web.Response:
     the transfer's length, and the answer comes when the transfer ends."""
     engine = request.app[WORKER].engine
     try:
-        req = _seed_send_decoder.decode(await request.read())
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return error_response(InvalidRequest(f"invalid /lumen/seed_send body: {exc}"))
+        req = decoded(_seed_send_decoder, await request.read(), "/lumen/seed_send")
+    except OpenAIError as exc:
+        return error_response(exc)
     if not (0 <= req.seconds <= MAX_SEND_S and 1.0 <= req.slowdown <= MAX_SEND_SLOWDOWN):
         return error_response(
-            InvalidRequest(
+            MalformedRequest(
                 f"seconds must be in [0, {MAX_SEND_S:g}] and slowdown in [1, {MAX_SEND_SLOWDOWN:g}]"
             )
         )
     if engine.phase is not Phase.SERVING:
-        return error_response(InvalidRequest(f"this worker is {engine.phase.value}, not serving: no seed"))
+        return error_response(MalformedRequest(f"this worker is {engine.phase.value}, not serving: no seed"))
     if not await engine.seeding.send(req.seconds, req.slowdown):
         return error_response(NotServing("this worker stopped during the transfer"))
     return json_response({"worker_id": engine.worker_id, "sent_s": req.seconds})

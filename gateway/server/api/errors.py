@@ -1,13 +1,23 @@
-"""The gateway's exception tree. Each maps to one HTTP status and OpenAI-style error body in one place
-(the error middleware, middleware.py); foreign errors are translated at the boundary with `raise ... from`.
-
-The base and the request errors are OpenAI's (gateway.protocol.openai.errors, shared with the workers'
-OpenAI routes): `GatewayError` is `OpenAIError`. The rest are the gateway's own.
+"""The gateway's exception tree: OpenAI's (gateway/protocol/openai/errors.py, shared with Lumen's
+worker server; re-exported here, `GatewayError` is `OpenAIError`) and the gateway's own kinds below.
+Each maps to one HTTP status and OpenAI-style error body in one place (the error middleware,
+middleware.py); foreign errors are translated at the boundary with `raise ... from`.
 """
 
 from __future__ import annotations
 
-from gateway.protocol.openai.errors import InvalidRequest, ModelNotFound, NotFound, OpenAIError, PromptTooLong
+from gateway.protocol.openai.errors import (
+    Forbidden,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    OpenAIError,
+    Overloaded,
+    PromptTooLong,
+    RequestTimeout,
+    RequestTooLarge,
+    Unauthorized,
+)
 
 __all__ = [
     "Forbidden",
@@ -37,32 +47,6 @@ class UnreadableBody(InvalidRequest):
     code = "invalid_encoding"
 
 
-class RequestTooLarge(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "request_too_large"
-
-
-class Unauthorized(GatewayError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class Forbidden(GatewayError):
-    status = 403
-    type = "permission_error"
-
-
-class Overloaded(GatewayError):
-    """429: answered with `Retry-After` (whole seconds)."""
-
-    status = 429
-    type = "rate_limit_error"
-    code = "too_many_requests"
-    retry_after_s: float = 1.0
-
-
 class RateLimited(Overloaded):
     """An API key over its per-key concurrency or rate limit (limits.per_key_*)."""
 
@@ -71,14 +55,6 @@ class RateLimited(Overloaded):
     def __init__(self, message: str, *, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class RequestTimeout(GatewayError):
-    """The request body did not arrive within limits.body_timeout_s; the answer closes the connection."""
-
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
 
 
 class NoWorkerAvailable(GatewayError):
