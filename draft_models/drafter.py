@@ -16,7 +16,8 @@ A real draft model computes for real: given a `thread` (a single-worker executor
 work runs there, so the worker's event loop (its heartbeats, its own streams) never waits on a
 forward; rounds stay one at a time, and `close()` waits for the one in flight before it clears state.
 
-Security (`gateway.protocol.planes`): with a `PlaneAuth` the ROUTER is a CURVE server whose context's
+Security (`gateway.protocol.planes`; the socket's set-up is `gateway.protocol.plane_server.PlaneServer`,
+the KV store's too): with a `PlaneAuth` the ROUTER is a CURVE server whose context's
 ZAP handler admits current members and the gateways (which verify drafts for SGLang targets); every
 message is checked again on arrival (`unauthenticated` when its connection's key is no longer one of
 them), so a fenced worker's open connection gets no drafts. `PLAINTEXT` is for unit tests only.
@@ -25,12 +26,10 @@ them), so a fenced worker's open connection gets no drafts. `PLAINTEXT` is for u
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import OrderedDict
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from types import TracebackType
-from typing import cast
+from typing import ClassVar, cast
 
 import structlog
 import zmq
@@ -49,8 +48,8 @@ from gateway.protocol.draft import (
     encode_reply,
 )
 from gateway.protocol.generate import SamplingParams
-from gateway.protocol.planes import DRAFT_DOMAIN, PlaneAuth, RefusalLog, Security, curve_server, user_id
-from gateway.protocol.zap import HandshakeWatch, ZapGuard
+from gateway.protocol.plane_server import PlaneServer
+from gateway.protocol.planes import DRAFT_DOMAIN, PlaneAuth, Security, user_id
 from models.synthetic import Sampler
 
 log = structlog.get_logger("lumen.draft.drafter")
@@ -79,7 +78,15 @@ class _Work:
     drafts: list[tuple[int, int, bool]]  # (position, k, had a sync in the first step)
 
 
-class DrafterServer:
+class DrafterServer(PlaneServer):
+    noun: ClassVar[str] = "drafter"
+    plane: ClassVar[str] = "draft"
+    domain: ClassVar[str] = DRAFT_DOMAIN
+    socket_type: ClassVar[int] = zmq.ROUTER
+    admits_gateways: ClassVar[bool] = True  # the gateways verify drafts for SGLang targets
+
+    stats: DrafterStats
+
     def __init__(
         self,
         model: DraftModel,
@@ -97,24 +104,15 @@ class DrafterServer:
             raise ValueError(f"max_states must be >= 1, got {max_states}")
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        super().__init__(endpoint, auth=auth, ctx=ctx, refusal_event="draft_message_refused")
         self.model = model
-        self.auth = auth
-        self._guard: ZapGuard | None = None
-        self._handshakes: HandshakeWatch | None = None
-        self.refusals = RefusalLog("draft_message_refused")
         self.cost = cost
         self.time_scale = time_scale
         self.max_states = max_states
         self._max_drain = max_drain
-        self._bind_to = endpoint
-        self._own_ctx = ctx is None
-        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
         # (target connection, rid) -> state, least recently used first
         self._states: OrderedDict[tuple[bytes, str], DraftState] = OrderedDict()
         self.stats = DrafterStats()
-        self.endpoint = ""
         self._thread = thread
         self._inflight: asyncio.Future[tuple[list[list[bytes]], float]] | None = None
 
@@ -122,79 +120,25 @@ class DrafterServer:
     def n_states(self) -> int:
         return len(self._states)
 
-    async def start(self) -> str:
-        if self._sock is not None:
-            raise RuntimeError("DrafterServer already started")
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        auth = self.auth
-        if isinstance(auth, PlaneAuth):
-            curve_server(sock, auth, DRAFT_DOMAIN)
-            self._guard = ZapGuard.acquire(
-                self._ctx, DRAFT_DOMAIN, lambda key: auth.members.allows(key, gateways=True)
-            )
-        try:
-            sock.bind(self._bind_to)
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            self._release_guard()
-            raise OSError(f"cannot bind drafter at {self._bind_to}: {exc}") from exc
-        self._sock = sock
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if isinstance(auth, PlaneAuth):
-            self._handshakes = HandshakeWatch(sock, "draft")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"drafter {self.endpoint}")
+    def _started(self) -> None:
         log.info(
             "drafter_listening",
             endpoint=self.endpoint,
             max_states=self.max_states,
-            curve=isinstance(auth, PlaneAuth),
+            curve=isinstance(self.auth, PlaneAuth),
         )
-        return self.endpoint
 
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    async def _stopping(self) -> None:
         if self._inflight is not None:  # a round still running on the thread: let it finish first
             await asyncio.gather(self._inflight, return_exceptions=True)
             self._inflight = None
-        if self._handshakes is not None:
-            await self._handshakes.close()
-            self._handshakes = None
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        self._release_guard()
-        if self._own_ctx and not self._ctx.closed:
-            self._ctx.term()
+
+    async def close(self) -> None:
+        await super().close()
         self._states.clear()
 
-    @property
-    def handshakes_failed(self) -> int:
-        """Connections whose CURVE handshake failed (no CURVE, wrong server key, not a member)."""
-        return self._handshakes.failed if self._handshakes is not None else 0
-
-    def _release_guard(self) -> None:
-        if self._guard is not None:
-            self._guard.release(DRAFT_DOMAIN)
-            self._guard = None
-
-    async def __aenter__(self) -> DrafterServer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
     async def _run(self) -> None:
-        sock = self._sock
-        if sock is None:
-            raise RuntimeError("DrafterServer not started")
+        sock = self._socket()
         while True:
             batch: list[list[bytes]] = []
             try:
@@ -225,16 +169,12 @@ class DrafterServer:
     def _admitted(self, received: list[list[zmq.Frame]]) -> list[list[bytes]]:
         """The received messages as bytes, less those whose connection is not (or no longer) a
         current member's or a gateway's (CURVE mode: counted and logged, never handled)."""
-        auth = self.auth
         out: list[list[bytes]] = []
         for frames in received:
-            if isinstance(auth, PlaneAuth):
+            if isinstance(self.auth, PlaneAuth):
                 key = user_id(frames[-1])
-                if key is None or not auth.members.allows(key, gateways=True):
-                    self.stats.messages += 1
-                    self.stats.refused += 1
-                    self.stats.unauthenticated += 1
-                    self.refusals("not a current member", key)
+                if key is None or not self.admits(key):
+                    self._refuse_stranger(key)
                     continue
             out.append([f.bytes for f in frames])
         return out

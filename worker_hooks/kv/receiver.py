@@ -6,29 +6,30 @@ received frames), and applies PAGES/END/DROP to the store. A bad message (anothe
 a malformed or inconsistent header) is refused and logged and changes nothing; the loop keeps going.
 It owns one task, started by `start()` and ended by `close()`.
 
-Security (`gateway.protocol.planes`): with a `PlaneAuth` the socket is a CURVE server whose context's
-ZAP handler admits only current members' keys, and every message is checked again before it reaches
-the store: its connection's key must still be a current member's (else `unauthenticated`), and the
-header's `src_worker`/`incarnation` must be that member's worker and current incarnation (else
-`impersonated` or `stale_epoch`). `PLAINTEXT` (unit tests only) skips all of it.
+Security (`gateway.protocol.planes`; the socket's set-up is `gateway.protocol.plane_server.PlaneServer`,
+the drafter's too): with a `PlaneAuth` the socket is a CURVE server whose context's ZAP handler admits
+only current members' keys (never the gateway's: it sends no pages), and every message is checked
+again before it reaches the store: its connection's key must still be a current member's (else
+`unauthenticated`), and the header's `src_worker`/`incarnation` must be that member's worker and
+current incarnation (else `impersonated` or `stale_epoch`). `PLAINTEXT` (unit tests only) skips all
+of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
+from typing import ClassVar
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from gateway.protocol.kv import KvHeader, KvProtocolError, KvType, decode
-from gateway.protocol.planes import KV_DOMAIN, Member, PlaneAuth, RefusalLog, Security, curve_server, user_id
-from gateway.protocol.zap import HandshakeWatch, ZapGuard
+from gateway.protocol.plane_server import PlaneServer
+from gateway.protocol.planes import KV_DOMAIN, Member, PlaneAuth, Security, user_id
 from worker_hooks.kv.store import CheckpointStore, HoldResult
 
 log = structlog.get_logger("lumen.kv.receiver")
@@ -51,7 +52,15 @@ class ReceiverStats:
     stale_epoch: int = 0
 
 
-class StoreServer:
+class StoreServer(PlaneServer):
+    noun: ClassVar[str] = "KV store"
+    plane: ClassVar[str] = "kv"
+    domain: ClassVar[str] = KV_DOMAIN
+    socket_type: ClassVar[int] = zmq.PULL
+    admits_gateways: ClassVar[bool] = False  # members only, never the gateway: it sends no pages
+
+    stats: ReceiverStats
+
     def __init__(
         self,
         store: CheckpointStore,
@@ -63,93 +72,26 @@ class StoreServer:
         on_hold: Callable[[KvHeader, HoldResult], None] | None = None,
         slice_s: float = 0.002,
     ) -> None:
+        super().__init__(endpoint, auth=auth, ctx=ctx, refusal_event="kv_message_refused")
         self.store = store
-        self.auth = auth
-        self._bind_to = endpoint
-        self._own_ctx = ctx is None
-        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._rcvhwm = rcvhwm
         self._on_hold = on_hold
         self._slice_s = slice_s  # longest run of messages handled between two yields to the loop
-        self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
         self.stats = ReceiverStats()
-        self.refusals = RefusalLog("kv_message_refused")
-        self._guard: ZapGuard | None = None
-        self._handshakes: HandshakeWatch | None = None
-        self.endpoint = ""
 
-    async def start(self) -> str:
-        if self._sock is not None:
-            raise RuntimeError("StoreServer already started")
-        sock = self._ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
+    def _configure(self, sock: zmq.asyncio.Socket) -> None:
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        auth = self.auth
-        if isinstance(auth, PlaneAuth):
-            curve_server(sock, auth, KV_DOMAIN)
-            # members only, never the gateway: it sends no pages
-            self._guard = ZapGuard.acquire(
-                self._ctx, KV_DOMAIN, lambda key: auth.members.allows(key, gateways=False)
-            )
-        try:
-            sock.bind(self._bind_to)
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            self._release_guard()
-            raise OSError(f"cannot bind KV store at {self._bind_to}: {exc}") from exc
-        self._sock = sock
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if isinstance(auth, PlaneAuth):
-            self._handshakes = HandshakeWatch(sock, "kv")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-store {self.endpoint}")
+
+    def _started(self) -> None:
         log.info(
             "kv_store_listening",
             endpoint=self.endpoint,
             budget_bytes=self.store.budget_bytes,
-            curve=isinstance(auth, PlaneAuth),
+            curve=isinstance(self.auth, PlaneAuth),
         )
-        return self.endpoint
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._handshakes is not None:
-            await self._handshakes.close()
-            self._handshakes = None
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        self._release_guard()
-        if self._own_ctx:
-            self._ctx.term()
-
-    @property
-    def handshakes_failed(self) -> int:
-        """Connections whose CURVE handshake failed (no CURVE, wrong server key, not a member)."""
-        return self._handshakes.failed if self._handshakes is not None else 0
-
-    def _release_guard(self) -> None:
-        if self._guard is not None:
-            self._guard.release(KV_DOMAIN)
-            self._guard = None
-
-    async def __aenter__(self) -> StoreServer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     async def _run(self) -> None:
-        sock = self._sock
-        if sock is None:
-            raise RuntimeError("StoreServer not started")
+        sock = self._socket()
         while True:
             try:
                 frames = await sock.recv_multipart(copy=False)
@@ -177,10 +119,7 @@ class StoreServer:
                 key = user_id(frames[0])
                 peer = auth.members.member(key)
                 if peer is None:  # not (or no longer) a member: nothing of it is even decoded
-                    self.stats.messages += 1
-                    self.stats.refused += 1
-                    self.stats.unauthenticated += 1
-                    self.refusals("not a current member", key)
+                    self._refuse_stranger(key)
                     return
             self.handle([f.buffer for f in frames], peer)
         except Exception:  # the outermost loop: one bad message must not stop the store
