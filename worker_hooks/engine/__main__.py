@@ -23,22 +23,8 @@ import structlog
 import uvloop
 
 from gateway.protocol.launch import SPEC_ENV, EngineSpec, decode_spec
+from gateway.protocol.logs import configure_logging
 from worker_hooks.engine.service import start_worker
-
-
-def configure_logging(level: str) -> None:
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-
 
 PARENT_POLL_S = 0.5
 
@@ -111,7 +97,7 @@ def parse_spec(argv: list[str] | None) -> EngineSpec:
 
 def main(argv: list[str] | None = None) -> int:
     spec = parse_spec(argv)
-    configure_logging(spec.log_level)
+    configure_logging(spec.log_level, "json")
     try:
         uvloop.run(serve(spec))
     except (ValueError, KeyError, OSError) as exc:

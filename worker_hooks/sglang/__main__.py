@@ -58,6 +58,7 @@ import structlog  # noqa: E402
 import uvloop  # noqa: E402
 
 from gateway.protocol.kv import DEFAULT_PAGE_SIZE  # noqa: E402
+from gateway.protocol.logs import configure_logging  # noqa: E402
 from gateway.protocol.secrets import SecretError, resolve_token  # noqa: E402
 from worker_hooks.sglang.agent import Sidecar  # noqa: E402
 from worker_hooks.sglang.agent_config import SidecarConfig  # noqa: E402
@@ -76,20 +77,6 @@ from worker_hooks.sglang.launcher import (  # noqa: E402
 from worker_hooks.sglang.server_key import given_key, launch_key  # noqa: E402
 
 PARENT_POLL_S = 0.5
-
-
-def configure_logging(level: str) -> None:
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,7 +369,7 @@ def configure(args: argparse.Namespace, tail: list[str]) -> tuple[SidecarConfig,
 
 def main(argv: list[str] | None = None) -> int:
     args, tail = parse(list(sys.argv[1:] if argv is None else argv))
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, "json")
     try:
         cfg, launch = configure(args, tail)
     except (LaunchError, ValueError, SecretError) as exc:
