@@ -40,6 +40,7 @@ class Interruption:
     action: str = "replay"  # how dispatch resumed it: restore (on a holder) or replay
     dispatch_reason: str = ""
     restored_tokens: int = 0  # prefix the resuming worker restored from its checkpoint store
+    kind: Loss | None = None  # the kind of loss (gateway/core/losses.py); None: the worker refused
 
     @property
     def resume_delay(self) -> float | None:
@@ -99,10 +100,19 @@ class Session:
         self.last_token_at = now
         return Arrival(first, it)
 
-    def interrupted(self, worker_id: str, incarnation: int, reason: str, now: float) -> Interruption:
-        """The attempt on `worker_id` broke at `now`: the interruption it resumes from."""
+    def interrupted(
+        self, worker_id: str, incarnation: int, reason: str, kind: Loss | None, now: float
+    ) -> Interruption:
+        """The attempt on `worker_id` broke at `now` (`kind`; None: the worker refused the attempt):
+        the interruption it resumes from."""
         it = Interruption(
-            worker_id, incarnation, reason, now, len(self.emitted), self.last_token_at or self.arrived
+            worker_id,
+            incarnation,
+            reason,
+            now,
+            len(self.emitted),
+            self.last_token_at or self.arrived,
+            kind=kind,
         )
         self.interruptions.append(it)
         return it

@@ -190,7 +190,7 @@ class SessionManager:
                         status=413 if exc.status == 413 else 400,
                     ) from exc
                 self.metrics.worker_refusals.labels(status=str(exc.status), outcome="retried").inc()
-                lost_reason = str(exc)
+                lost_reason, lost_kind = str(exc), None
                 if exc.stale_incarnation:
                     # the worker runs a newer incarnation than the one we addressed (it restarted and
                     # our view lags): that one is gone, so fence it; the worker's new incarnation is
@@ -203,7 +203,7 @@ class SessionManager:
                     # 404, 429): another worker, not a failure of it
                     excluded.add(worker.id)
             except WorkerLost as exc:
-                lost_reason = exc.reason
+                lost_reason, lost_kind = exc.reason, exc.kind
                 if exc.kind.fails_incarnation:
                     # the incarnation is gone: fail it here too, so the next pick does not address it;
                     # a reset (another gateway fenced the worker), like a 409, costs no attempt
@@ -216,7 +216,7 @@ class SessionManager:
                     if exc.kind is Loss.STALLED:
                         self.metrics.stalls.inc()
                     excluded.add(worker.id)
-            self._interrupted(s, worker, lost_reason)
+            self._interrupted(s, worker, lost_reason, lost_kind)
             if not self.policy.failover:
                 raise UpstreamFailed(
                     f"worker {worker.id} failed mid-request ({lost_reason}); recovery mode is 'none'"
@@ -301,7 +301,7 @@ class SessionManager:
             if not s.resumed_by:  # it died before answering: recompute
                 self._resumed(s, "replay", at, exc.reason)
             else:
-                self._interrupted(s, worker, exc.reason)
+                self._interrupted(s, worker, exc.reason, exc.kind)
 
     def _resumed(self, s: Session, how: str, at: Attempt, why: str = "") -> None:
         s.resumed_by = how
@@ -463,9 +463,9 @@ class SessionManager:
             self.metrics.resumes.labels(kind="restore" if it.restored_tokens else "replay").inc()
         self.metrics.output_tokens.inc(n)
 
-    def _interrupted(self, s: Session, worker: WorkerRecord, reason: str) -> None:
+    def _interrupted(self, s: Session, worker: WorkerRecord, reason: str, kind: Loss | None) -> None:
         """The session's attempt on `worker` broke (it resumes elsewhere)."""
-        s.interrupted(worker.id, worker.incarnation, reason, self.clock())
+        s.interrupted(worker.id, worker.incarnation, reason, kind, self.clock())
         self.metrics.interrupted.labels(mode=self.recovery.mode).inc()
         log.info(
             "request_interrupted",
@@ -475,6 +475,7 @@ class SessionManager:
             emitted=len(s.emitted),
             attempt=s.attempts,
             reason=reason,
+            kind=kind.value if kind is not None else "refused",
         )
 
     def _first_chunk_timeout(self, s: Session) -> float:

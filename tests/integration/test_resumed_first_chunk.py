@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from gateway.config import RecoverySection
+from gateway.core.losses import Loss
 from gateway.core.types import LoadParams
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.generate import GenerateChunk, MetaInfo, encode_sse_chunk
@@ -126,3 +127,6 @@ async def test_a_resumed_attempt_without_a_first_chunk_is_a_stall() -> None:
         assert got == [100, 101, 102]
         assert w1.opened.is_set() and len(w1.bodies[0]["input_ids"]) == 6  # type: ignore[arg-type]
         assert "stall" in str(err.value)
+        # the interruptions carry their kind (gateway/core/losses.py): w0's death, then w1's stall
+        kinds = [it.kind for it in sessions.recent_interrupted[-1].interruptions]
+        assert kinds == [Loss.KILLED, Loss.STALLED]
