@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from draft_models.client import DraftClient  # noqa: E402
-from gateway.protocol import control_pb2 as pb  # noqa: E402
-from gateway.protocol.planes import PLAINTEXT  # noqa: E402
-from models.torch_config import PRESETS  # noqa: E402
-from models.torch_weights import random_model, save_model  # noqa: E402
-from tests.integration.test_draft_plane import connect  # noqa: E402
-from worker_hooks.sglang.agent_draft import RestartDrafter  # noqa: E402
+from draft_models.client import DraftClient
+from gateway.protocol import control_pb2 as pb
+from gateway.protocol.planes import PLAINTEXT
+from models.torch_config import PRESETS
+from models.torch_weights import random_model, save_model
+from tests.integration.test_draft_plane import connect
+from worker_hooks.sglang.agent_draft import RestartDrafter
 
 TIMEOUT = 10.0
 
@@ -101,7 +101,9 @@ async def test_a_skip_from_the_gateway_or_a_model_that_cannot_load_makes_a_plain
     await asyncio.sleep(0)
     assert "draft_skipped" in [e["event"] for e in events]
     # a target command for an SGLang server is the gateway's business, not the drafter's
-    assert not d.command(pb.GatewayMessage(start_draft_assist=pb.StartDraftAssist(peer_id="x", role="target")))
+    assert not d.command(
+        pb.GatewayMessage(start_draft_assist=pb.StartDraftAssist(peer_id="x", role="target"))
+    )
     broken = RestartDrafter("sg2", str(tmp_path), auth=PLAINTEXT, host="127.0.0.1", emit=lambda *a, **k: None)
     await broken.start()
     try:
