@@ -7,19 +7,12 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.fixtures.clock import FakeClock
 from worker_hooks.engine.admission import MAX_BOOST, AdmissionLeases
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_grant_raises_the_limit_until_its_lease_ends() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     leases = AdmissionLeases(64, clock)
     assert leases.limit() == 64
     assert leases.grant("gw1", 4 / 3, 3.0) == 85
@@ -30,7 +23,7 @@ def test_a_grant_raises_the_limit_until_its_lease_ends() -> None:
 
 
 def test_the_largest_live_grant_wins_and_a_boost_of_one_withdraws_at_once() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     leases = AdmissionLeases(10, clock)
     leases.grant("gw1", 1.2, 3.0)
     assert leases.grant("gw2", 1.5, 1.0) == 15
@@ -44,7 +37,7 @@ def test_the_largest_live_grant_wins_and_a_boost_of_one_withdraws_at_once() -> N
 
 @given(st.floats(allow_nan=True, allow_infinity=True), st.floats(allow_nan=True, allow_infinity=True))
 def test_no_grant_lowers_the_limit_or_raises_it_past_the_clamp(boost: float, lease_s: float) -> None:
-    leases = AdmissionLeases(32, Clock())
+    leases = AdmissionLeases(32, FakeClock(100.0))
     limit = leases.grant("gw", boost, lease_s)
     assert 32 <= limit <= math.floor(32 * MAX_BOOST)
     if not (math.isfinite(boost) and math.isfinite(lease_s)) or boost <= 1 or lease_s <= 0:
@@ -52,7 +45,7 @@ def test_no_grant_lowers_the_limit_or_raises_it_past_the_clamp(boost: float, lea
 
 
 def test_the_queue_order_is_the_freshest_live_grants_and_ends_with_it() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     leases = AdmissionLeases(8, clock)
     assert leases.shortest_first_rate() is None
     leases.grant("gw1", 1.0, 3.0, shortest_first_rate=2000.0)  # an order alone is a grant

@@ -9,20 +9,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gateway.core.costmodel import MODELS
 from gateway.protocol.pagekeys import namespace_seed, page_keys
+from tests.fixtures.clock import FakeClock
 from worker_hooks.kv.eviction import Eviction
 from worker_hooks.kv.payload import model_page_nbytes, page_bytes, page_nbytes, pages_payload, verify
 from worker_hooks.kv.store import CheckpointStore, HoldResult, IntegrityError
 
 PS = 2  # page size in tokens
 PB = 10  # bytes per page
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def send(
@@ -105,7 +98,7 @@ def fill(store: CheckpointStore, clock: FakeClock, sizes: dict[str, int]) -> Non
 
 
 def test_shortest_prefix_first_evicts_the_fewest_durable_tokens_first() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     store = CheckpointStore(6 * PB, "shortest_prefix_first", clock=clock)
     fill(store, clock, {"b": 3, "a": 1, "c": 2})
     clock.t += 1
@@ -119,7 +112,7 @@ def test_shortest_prefix_first_evicts_the_fewest_durable_tokens_first() -> None:
 
 
 def test_lru_evicts_the_least_recently_touched_request() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     store = CheckpointStore(6 * PB, "lru", clock=clock)
     fill(store, clock, {"b": 3, "a": 1, "c": 2})
     clock.t += 1
@@ -217,7 +210,7 @@ def test_longest_prefix_restores_the_held_pages_byte_for_byte() -> None:
 
 
 def test_orphans_expire_after_the_ttl() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     store = CheckpointStore(10_000, orphan_ttl_s=5, clock=clock)
     send(store, "old", seq(0, 1), 0, 1)
     clock.t += 4
@@ -272,7 +265,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(list(Eviction)), budget=st.integers(0, 40 * 16))
     def start(self, policy: Eviction, budget: int) -> None:
-        self.clock = FakeClock()
+        self.clock = FakeClock(1000.0)
         self.store = CheckpointStore(budget, policy, orphan_ttl_s=10, clock=self.clock)
         self.next_page = {rid: 0 for rid, _, _ in REQUESTS}
         self.inc = dict.fromkeys(WORKERS, 1)

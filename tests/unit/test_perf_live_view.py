@@ -21,17 +21,10 @@ from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
+from tests.fixtures.clock import FakeClock
 
 KV = 1000
 PARAMS = LoadParams(nominal_batch=8)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def hello(wid: str, incarnation: int) -> pb.Hello:
@@ -63,7 +56,7 @@ def reference(mon: LoadMonitor, mgr: CheckpointManager) -> ClusterView:
 @pytest.mark.parametrize("seed", range(12))
 def test_kept_views_equal_rebuilt_ones(seed: int) -> None:
     rnd = random.Random(seed)
-    clock = Clock()
+    clock = FakeClock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.02, heartbeat_misses=3)
     ctl = ControlService(mon, token="", heartbeat_interval_ms=20)
     mgr = CheckpointManager(

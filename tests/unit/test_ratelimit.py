@@ -18,18 +18,11 @@ from gateway.server.api.ratelimit import (
     refill,
     retry_after,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fixtures.clock import FakeClock
 
 
 def test_burst_then_rate_then_retry_after() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     lim = KeyLimiter(Limits(rate_per_s=2.0, burst=3), clock)
     assert [lim.admit("k") for _ in range(3)] == [None, None, None]
     for _ in range(3):
@@ -43,7 +36,7 @@ def test_burst_then_rate_then_retry_after() -> None:
 
 
 def test_concurrency_limit_and_release() -> None:
-    lim = KeyLimiter(Limits(max_concurrent=2), Clock())
+    lim = KeyLimiter(Limits(max_concurrent=2), FakeClock(1000.0))
     assert lim.admit("k") is None and lim.admit("k") is None
     assert lim.admit("k") == Refused("concurrency", CONCURRENCY_RETRY_AFTER_S)
     assert lim.in_flight("k") == 2
@@ -85,7 +78,7 @@ requests = st.lists(
 def test_admissions_stay_within_the_limits(
     rate: float, burst: int, max_concurrent: int, reqs: list[tuple[str, float, bool]]
 ) -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     limits = Limits(max_concurrent=max_concurrent, rate_per_s=rate, burst=burst)
     lim = KeyLimiter(limits, clock, sweep_min_keys=1)  # sweeps as often as it can
     admitted: dict[str, list[float]] = {}
@@ -121,7 +114,7 @@ def test_admissions_stay_within_the_limits(
     gaps=st.lists(st.floats(0, 0.5, allow_nan=False), min_size=1, max_size=40),
 )
 def test_retry_after_is_when_a_retry_succeeds(rate: float, burst: int, gaps: list[float]) -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     lim = KeyLimiter(Limits(rate_per_s=rate, burst=burst), clock)
     for gap in gaps:
         clock.t += gap
@@ -138,7 +131,7 @@ def test_retry_after_is_when_a_retry_succeeds(rate: float, burst: int, gaps: lis
 @given(reqs=requests, rate=st.floats(0.1, 10, allow_nan=False))
 def test_forgetting_idle_keys_changes_no_verdict(reqs: list[tuple[str, float, bool]], rate: float) -> None:
     """A limiter that sweeps at every chance and one that never does decide alike."""
-    clock = Clock()
+    clock = FakeClock(1000.0)
     limits = Limits(max_concurrent=2, rate_per_s=rate)
     eager, never = (
         KeyLimiter(limits, clock, sweep_min_keys=0),
