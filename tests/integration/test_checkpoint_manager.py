@@ -13,20 +13,13 @@ from gateway.server.recovery.coordinator import RecoveryCoordinator
 from gateway.server.recovery.rehoming import Rehoming
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
+from tests.fixtures.clock import FakeClock
 
 KV = 1000  # bytes per token, small to keep numbers readable
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make(n: int = 4, replicas: int = 1, budget: int = 10**9):
-    clock = Clock()
+    clock = FakeClock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.02, heartbeat_misses=3)
     ctl = ControlService(mon, token="", heartbeat_interval_ms=20)
     mgr = CheckpointManager(

@@ -18,16 +18,10 @@ from gateway.core.health import WorkerState
 from gateway.protocol import control_pb2 as pb
 from gateway.server.workers.monitor import AttachRefused, LoadMonitor, WorkerRecord
 from gateway.server.workers.probe import HttpProbe
+from tests.fixtures.clock import FakeClock
 
 S = WorkerState
 TICK = 0.01
-
-
-class Clock:
-    t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class FakeProbe:
@@ -42,8 +36,8 @@ class FakeProbe:
         return self.answer
 
 
-def make(n: int = 3, prober: FakeProbe | None = None, **kw: object) -> tuple[Clock, LoadMonitor]:
-    clock = Clock()
+def make(n: int = 3, prober: FakeProbe | None = None, **kw: object) -> tuple[FakeClock, LoadMonitor]:
+    clock = FakeClock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.02, heartbeat_misses=3, prober=prober, **kw)  # type: ignore[arg-type]
     for i in range(n):
         mon.attach(
@@ -63,7 +57,7 @@ def beat(mon: LoadMonitor, wid: str) -> None:
 
 
 async def run(
-    clock: Clock, mon: LoadMonitor, seconds: float, next_beat: dict[str, float], gap: dict[str, object]
+    clock: FakeClock, mon: LoadMonitor, seconds: float, next_beat: dict[str, float], gap: dict[str, object]
 ) -> None:
     """Tick every 10 ms for `seconds`; worker w beats at next_beat[w], then `gap[w]()` later (None:
     it has gone silent). Probe tasks get to run between ticks."""

@@ -6,24 +6,18 @@ from gateway.core.gray import GrayParams
 from gateway.core.health import WorkerState
 from gateway.protocol import control_pb2 as pb
 from gateway.server.workers.monitor import LoadMonitor
+from tests.fixtures.clock import FakeClock
 
 
-class Clock:
-    t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def make(n: int = 4) -> tuple[Clock, LoadMonitor]:
-    clock = Clock()
+def make(n: int = 4) -> tuple[FakeClock, LoadMonitor]:
+    clock = FakeClock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.02, heartbeat_misses=3)
     for i in range(n):
         mon.attach(pb.Hello(protocol_version=1, worker_id=f"w{i}", incarnation=1, phase=pb.SERVING))
     return clock, mon
 
 
-def stream(clock: Clock, mon: LoadMonitor, per_token: dict[str, float], seconds: float) -> None:
+def stream(clock: FakeClock, mon: LoadMonitor, per_token: dict[str, float], seconds: float) -> None:
     """Every worker streams one token per step of its own speed for `seconds`."""
     end = clock.t + seconds
     while clock.t < end:

@@ -14,14 +14,7 @@ from gateway.protocol import control_pb2 as pb
 from gateway.server.recovery.outage import OutageAdmission
 from gateway.server.workers.control import ControlService
 from gateway.server.workers.monitor import LoadMonitor
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fixtures.clock import FakeClock
 
 
 def hello(wid: str, inc: int, engine: str = "lumen") -> pb.Hello:
@@ -52,7 +45,7 @@ def grants(ctl: ControlService, wid: str) -> list[float]:
 
 
 async def test_survivors_get_the_clusters_slots_while_the_recovery_lasts_and_lose_them_after() -> None:
-    clock = Clock()
+    clock = FakeClock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.05, heartbeat_misses=3)
     ctl = ControlService(mon, token="", heartbeat_interval_ms=50)
     params = OutageParams(batch_boost=1.5, shortest_first=True, shortest_first_rate=2000.0)
@@ -98,7 +91,7 @@ async def test_survivors_get_the_clusters_slots_while_the_recovery_lasts_and_los
 
 
 async def test_the_boost_follows_the_most_workers_out_and_stops_at_the_cap() -> None:
-    clock = Clock()
+    clock = FakeClock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.05, heartbeat_misses=3)
     ctl = ControlService(mon, token="", heartbeat_interval_ms=50)
     out = OutageAdmission(monitor=mon, control=ctl, params=OutageParams(batch_boost=1.5), clock=clock)
@@ -119,7 +112,7 @@ async def test_on_a_measured_prefill_bound_load_the_survivors_keep_their_batch_a
     says code-like (long prompts, short outputs), so a failure starts a recovery with the queue order
     but no larger batch; the judgement is logged with its figures. A second recovery on a measured
     decode-bound shape is boosted."""
-    clock = Clock()
+    clock = FakeClock()
     mon = LoadMonitor(clock=clock, heartbeat_interval_s=0.05, heartbeat_misses=3)
     ctl = ControlService(mon, token="", heartbeat_interval_ms=50)
     cost = CostModel.preset("Qwen3-32B", "H100-80G")

@@ -42,6 +42,7 @@ from gateway.sim.result import RunResult
 from gateway.sim.scenario import parse_scenario
 from gateway.sim.simulation import Simulation
 from gateway.sim.workload import SHAPES, synthetic
+from tests.fixtures.clock import FakeClock
 from worker_hooks.engine.admission import AdmissionLeases
 
 SCENARIO: dict[str, Any] = {
@@ -84,13 +85,6 @@ class InForce:
     workers: dict[str, tuple[int, float | None]]
 
 
-class Clock:
-    t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 # a code-like load (long prompts, short outputs: prefill-bound), long enough before its failure that
 # the load's shape is known (core/loadshape.py: 1,000 completed requests): the boost gate keeps the
 # batch limit (core/outage.py `boost_gain`), and both shells must judge it alike
@@ -120,7 +114,7 @@ class LiveShell:
 
     def __init__(self, sim: Simulation) -> None:
         c, lever = sim.coord, sim.scenario.recovery
-        self.clock = Clock()
+        self.clock = FakeClock()
         self.monitor = LoadMonitor(clock=self.clock, heartbeat_interval_s=HEARTBEAT_S, heartbeat_misses=3)
         self.control = ControlService(self.monitor, token="", heartbeat_interval_ms=20)
         self.ckpt = CheckpointManager(
