@@ -152,9 +152,26 @@ def silence_verdicts(silences: Mapping[str, Silence], correlated_grace_s: float)
     network) than half the cluster failing at once; those workers are SUSPECT until they have been
     silent for `correlated_grace_s`. A refused probe (the process is gone) is not held back, and
     crashes are still seen at once by their broken streams, which this does not delay.
+
+    The same guard holds back a suspicion: when at least two and more than half of the live workers
+    would turn from HEALTHY to SUSPECT in the same tick, they stay HEALTHY (probed as a suspect would
+    be) until they have been silent for `correlated_grace_s`. Seen against real SGLang servers on a
+    busy 2-core host (issue 27): two idle servers' answers both ~900 ms late in one tick, both resumed
+    at 947 ms; alone, each is a suspicion; together, they are the host's stall. A suspicion only takes a
+    worker out of routing, so holding it back costs at most `correlated_grace_s` of routing to a worker
+    that may be hung, and a hang still fails on the rule above.
     """
     out = {wid: judge(s) for wid, s in silences.items()}
     alive = [wid for wid, s in silences.items() if s.state in ALIVE_STATES]
+    suspecting = [wid for wid in alive if silences[wid].state is S.HEALTHY and out[wid].state is S.SUSPECT]
+    if len(suspecting) >= 2 and 2 * len(suspecting) > len(alive):
+        for wid in suspecting:
+            if silences[wid].silence_s <= correlated_grace_s:
+                out[wid] = Verdict(
+                    S.HEALTHY,
+                    probe=out[wid].probe,
+                    why=f"{len(suspecting)} of {len(alive)} workers late at once: the gateway is suspected first",
+                )
     failing = [wid for wid in alive if out[wid].state is S.FAILED and not _refused(silences[wid])]
     if len(failing) >= 2 and 2 * len(failing) > len(alive):
         for wid in failing:

@@ -264,6 +264,32 @@ def test_correlated_silence_is_blamed_on_the_gateway_first() -> None:
     assert {v.state for v in got_v.values()} == {S.FAILED}
 
 
+def test_a_correlated_suspicion_is_held_back_as_the_gateways_first() -> None:
+    """Two idle real SGLang servers behind agents on a busy 2-core host were both late ~900 ms in one
+    tick and both resumed at 947 ms (issue 27): a suspicion of most workers at once waits out the grace."""
+    det = fed([0.02] * 500)
+    t = det.thresholds()
+    late = (t.suspect_s + t.fail_s) / 2  # past the suspicion, short of the failure
+
+    def cluster(silences: dict[str, float], grace: float = 1.0) -> dict[str, WorkerState]:
+        got = silence_verdicts({w: silent(det, s, S.HEALTHY) for w, s in silences.items()}, grace)
+        return {w: v.state for w, v in got.items()}
+
+    assert t.suspect_s < late < t.fail_s
+    # one late worker of three: suspected as usual
+    assert cluster({"a": late, "b": 0.0, "c": 0.0}) == {"a": S.SUSPECT, "b": S.HEALTHY, "c": S.HEALTHY}
+    # two of two, or two of three, late at once: still HEALTHY within the grace
+    assert cluster({"a": late, "b": late}) == {"a": S.HEALTHY, "b": S.HEALTHY}
+    assert set(cluster({"a": late, "b": late, "c": 0.0}).values()) == {S.HEALTHY}
+    # two of four is not a majority: both suspected
+    assert cluster({"a": late, "b": late, "c": 0.0, "d": 0.0})["a"] is S.SUSPECT
+    # past the grace: suspected
+    assert set(cluster({"a": late, "b": late}, grace=late / 2).values()) == {S.SUSPECT}
+    # a probeable worker held back is still probed, as a suspect would be
+    held = silence_verdicts({w: silent(det, late, S.HEALTHY, probeable=True) for w in "ab"}, 1.0)
+    assert all(v.state is S.HEALTHY and v.probe for v in held.values())
+
+
 thresholds = st.builds(
     lambda a, b, c, d: Thresholds(min(a, b), max(a, b), c, max(a, b, d)),
     st.floats(0.0, 2.0),
