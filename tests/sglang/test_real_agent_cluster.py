@@ -260,13 +260,16 @@ async def real_cluster(tmp_path: Path, *argv: str) -> AsyncIterator[dict[str, An
 async def test_the_issues_cluster_up_command_serves_on_p_and_a_kill_leaves_every_stream_exact(
     tmp_path: Path,
 ) -> None:
-    """Exactly the issue's "Done when" command (no GPU, no --set: the tokenizer comes from DIR), then
-    `lumen cluster kill --port P w0` mid-stream."""
+    """The issue's "Done when" command (no GPU; the tokenizer comes from DIR), then `lumen cluster kill
+    --port P w0` mid-stream. One flag more than the issue wrote: since issue 29 a gateway sends signal
+    faults (kill, hang, stall) only on a cluster started with `cluster.fault_injection` (without it
+    `lumen cluster kill` is refused with a 400 that names the key)."""
     target = tiny_models()["target"]
     port = free_port()
     argv = [
         "--engine", "sglang", "--workers", "2", "--model", str(target), "--mode", "stop_restart",
-        "--port", str(port), "--", "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096",
+        "--port", str(port), "--set", "cluster.fault_injection=true",
+        "--", "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096",
     ]  # fmt: skip
     async with (
         real_cluster(tmp_path, *argv) as ready,
