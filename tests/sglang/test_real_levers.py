@@ -97,7 +97,7 @@ async def test_held_real_servers_take_the_boost_only_in_lumens_modes(
             asyncio.create_task(stream_generate(http, greedy(p, MAX_NEW), s))
             for p, s in zip(PROMPTS, seen, strict=True)
         ]
-        async with asyncio.timeout(60):  # both servers at their held batch, two requests at the gateway
+        async with asyncio.timeout(180):  # both servers at their held batch, two requests at the gateway
             while held.waiting("sg0") + held.waiting("sg1") < 2 or sum(len(s) >= 8 for s in seen) < 4:
                 await asyncio.sleep(0.01)
         victim = 0 if held.waiting("sg0") > 0 else 1
