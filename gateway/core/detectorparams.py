@@ -14,6 +14,12 @@ from dataclasses import dataclass, replace
 
 from gateway.core.types import check
 
+# A polled server (its answers are its heartbeats) is suspected after no fewer than this many poll
+# periods of silence: an answer passes through the server's own HTTP stack, whose pauses a heartbeat
+# task does not see. An idle real SGLang server on a quiet 2-core host answered once 173 ms after the
+# one before (3.2 periods of 53 ms) in 5 minutes, and was SUSPECT at the 2-period floor (issue 27).
+POLLED_SUSPECT_PERIODS = 4.0
+
 
 @dataclass(frozen=True, slots=True)
 class DetectorParams:
@@ -30,6 +36,7 @@ class DetectorParams:
     pause_half_life_s: float = 60.0
     probe_timeout_s: float = 0.15  # a suspicion's probe unanswered this long confirms it (0: no probes)
     max_silence_s: float = 3.0  # FAILED after this much silence, even if probes answer
+    suspect_periods: float = 2.0  # SUSPECT never before this many heartbeat periods of silence
 
     def __post_init__(self) -> None:
         check(
@@ -65,6 +72,12 @@ class DetectorParams:
             "must be >= misses x interval",
         )
         check(
+            math.isfinite(self.suspect_periods) and self.suspect_periods >= 1,
+            "suspect_periods",
+            self.suspect_periods,
+            "must be >= 1",
+        )
+        check(
             self.probe_timeout_s < self.max_silence_s,
             "probe_timeout_s",
             self.probe_timeout_s,
@@ -76,4 +89,9 @@ class DetectorParams:
         if interval_s == self.interval_s:
             return self
         floor = self.misses * interval_s
-        return replace(self, interval_s=interval_s, max_silence_s=max(self.max_silence_s, floor))
+        return replace(
+            self,
+            interval_s=interval_s,
+            max_silence_s=max(self.max_silence_s, floor),
+            suspect_periods=max(self.suspect_periods, POLLED_SUSPECT_PERIODS),
+        )

@@ -205,7 +205,7 @@ class HeartbeatDetector:
         longest = max(self.recent_pause(self.last_s if now_s is None else now_s), peer_pause_s)
         std = max(std, p.min_std_ratio * p.interval_s)
         cap = p.max_silence_s
-        suspect = max(2 * p.interval_s, mean + self._z_suspect * std, longest)
+        suspect = max(p.suspect_periods * p.interval_s, mean + self._z_suspect * std, longest)
         fail = max(p.misses * p.interval_s, mean + self._z_fail * std, p.pause_factor * longest, suspect)
         probe = max(p.probe_timeout_s, p.pause_factor * longest)
         return Thresholds(min(suspect, cap), min(fail, cap), min(probe, cap), cap)

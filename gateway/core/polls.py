@@ -11,7 +11,7 @@ declared a healthy server lost when `/ready` took 619 ms.
 So the rule is the heartbeat detector's (`HeartbeatDetector`, `judge`), in units of the server's
 *poll period*: the poll interval plus its normal answer time, learned from its answers (`PollClock`:
 the median of the last `ANSWER_WINDOW` answer times; a hung server answers nothing, so a hang never
-teaches it patience). Every floor of the rule scales with that period (2 periods before SUSPECT,
+teaches it patience). Every floor of the rule scales with that period (`POLLED_SUSPECT_PERIODS`, 4, before SUSPECT,
 `misses` periods before FAILED, the minimum deviation), the window's mean, deviation and longest gap
 follow the answers themselves, and the cap bounds it all: a hung server is FAILED once its silence
 passes the fail threshold, and never later than max(`max_silence_s` (3 s by default), `misses`

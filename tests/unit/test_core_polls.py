@@ -141,3 +141,23 @@ def test_the_cap_is_at_least_misses_poll_periods() -> None:
     p = c.params(rule)
     assert p.interval_s == pytest.approx(1.1) and p.max_silence_s == pytest.approx(5.5)
     assert PollClock(0.1).params(rule).max_silence_s == rule.max_silence_s
+
+
+def test_a_polled_server_is_suspected_no_sooner_than_four_periods() -> None:
+    """An idle real SGLang server on a quiet host answered once 3.2 periods after the one before (173 ms
+    at 53 ms) in 5 minutes: at a 2-period floor that was a SUSPECT (issue 27)."""
+    from gateway.core.detectorparams import POLLED_SUSPECT_PERIODS, DetectorParams
+
+    assert DetectorParams().suspect_periods == 2.0  # heartbeating workers keep theirs
+    base = DetectorParams(misses=6)  # a failure floor past the suspicion's, so SUSPECT shows
+    polled = base.for_interval(0.0534)
+    assert polled.suspect_periods == POLLED_SUSPECT_PERIODS == 4.0
+    det = HeartbeatDetector(polled, 0.0)
+    t = 0.0
+    for _ in range(2000):  # a steady idle server: answers 53.4 ms apart
+        t += 0.0534
+        det.beat(t)
+    th = det.thresholds(t)
+    assert th.suspect_s == pytest.approx(4 * 0.0534)
+    assert poll_verdict(det, t + 0.173).state is S.HEALTHY  # the gap seen: no longer a suspicion
+    assert poll_verdict(det, t + 0.22).state is S.SUSPECT
