@@ -183,7 +183,7 @@ def agent_specs(
     page_size: int = DEFAULT_PAGE_SIZE,
     peer_reload: bool = False,
     draft_model: str = "",
-    draft_timeout_ms: float = 1000.0,
+    draft_timeout_ms: float | None = None,
 ) -> list[AgentSpec]:
     """One agent per server, each with its GPU group; without GPUs (`launch.gpus` None: `--device cpu`
     or a stand-in launcher) `launch.workers` or `default_workers` agents, devices left alone. Every
@@ -211,9 +211,10 @@ def agent_specs(
             *("--stop-grace-s", f"{stop_grace_s:g}", "--page-size", str(page_size), "--launch"),
             *(() if restart else ("--no-restart",)),
             *(() if peer_reload else ("--seed-wait-s", "0")),
+            *(("--draft-model", draft_model) if draft_model else ()),
             *(
-                ("--draft-model", draft_model, "--draft-timeout-ms", f"{draft_timeout_ms:g}")
-                if draft_model
+                ("--draft-timeout-ms", f"{draft_timeout_ms:g}")
+                if draft_model and draft_timeout_ms is not None
                 else ()
             ),
             "--",

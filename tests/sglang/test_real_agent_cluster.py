@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.client import RequestResult, stream_completion
 from loadtests.cluster_proc import free_port
@@ -470,10 +471,9 @@ async def verified_drafts(http: aiohttp.ClientSession, url: str) -> dict[tuple[s
     """`lumen_gateway_verified_drafts{target, outcome}` from the gateway's /metrics."""
     async with http.get(f"{url}/metrics") as r:
         text = await r.text()
-    out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        if line.startswith("lumen_gateway_verified_drafts_total{"):
-            labels, value = line[len("lumen_gateway_verified_drafts_total{") :].split("} ")
-            kv = dict(part.split("=", 1) for part in labels.split(","))
-            out[(kv["target"].strip('"'), kv["outcome"].strip('"'))] = float(value)
-    return out
+    return {
+        (s.labels["target"], s.labels["outcome"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "lumen_gateway_verified_drafts_total"
+    }

@@ -61,7 +61,7 @@ from gateway.protocol.kv import DEFAULT_PAGE_SIZE  # noqa: E402
 from gateway.protocol.logs import configure_logging  # noqa: E402
 from gateway.protocol.secrets import SecretError, resolve_token  # noqa: E402
 from worker_hooks.sglang.agent import Sidecar  # noqa: E402
-from worker_hooks.sglang.agent_config import SidecarConfig  # noqa: E402
+from worker_hooks.sglang.agent_config import DRAFT_TIMEOUT_MS, SidecarConfig  # noqa: E402
 from worker_hooks.sglang.launcher import (  # noqa: E402
     OUTAGE_HEADROOM,
     WEIGHTS_GROUP_PORT_DELTA,
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft-timeout-ms",
         type=float,
-        default=1000.0,
+        default=DRAFT_TIMEOUT_MS,
         help="how long the gateway waits for a draft round (its draft.draft_timeout_ms)",
     )
     p.add_argument("--log-level", default="info")
@@ -231,8 +231,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(
             f"--draft-model {args.draft_model!r}: no config.json there (a Hugging Face model folder)"
         )
-    if args.draft_timeout_ms <= 0:
-        parser.error(f"--draft-timeout-ms must be > 0, not {args.draft_timeout_ms}")
     if args.held_batch is not None and args.held_batch < 1:
         parser.error(f"--held-batch must be >= 1, not {args.held_batch}")
     if args.log_level.upper() not in logging.getLevelNamesMapping():

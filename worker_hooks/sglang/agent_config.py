@@ -5,9 +5,13 @@ checked once, when built."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from worker_hooks.sglang.launcher import host_port, weights_group_ports
 from worker_hooks.sglang.storage_layout import shard_endpoint, status_endpoint_for
+
+# how long a gateway waits for a draft round of the agent's drafter, unless told (its draft.draft_timeout_ms)
+DRAFT_TIMEOUT_MS: Final = 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +54,7 @@ class SidecarConfig:
     # it relaunched loads (agent_draft.py); "": no drafting. On `draft_device` (torch's name)
     draft_model: str = ""
     draft_device: str = "cpu"
-    draft_timeout_ms: float = 1000.0  # the gateway's draft.draft_timeout_ms: a round's answer time
+    draft_timeout_ms: float = DRAFT_TIMEOUT_MS  # the gateway's draft.draft_timeout_ms
 
     def __post_init__(self) -> None:
         if not self.gateways:

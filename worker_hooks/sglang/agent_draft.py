@@ -34,6 +34,7 @@ import structlog
 from gateway.protocol import control_pb2 as pb
 from gateway.protocol.planes import Security
 from worker_hooks.engine.drafting import DrafterRole
+from worker_hooks.sglang.agent_config import DRAFT_TIMEOUT_MS
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +52,7 @@ class RestartDrafter:
         auth: Security,
         host: str,
         device: str = "cpu",
-        draft_timeout_ms: float = 1000.0,
+        draft_timeout_ms: float = DRAFT_TIMEOUT_MS,
         emit: Emit | None = None,
     ) -> None:
         from draft_models.torch_drafter import TorchDrafter  # torch only in an agent that drafts
